@@ -26,6 +26,7 @@ install-dev: $(VENV)/.installed-dev
 
 run: install
 	$(BIN)/kvledger kv-bytes llama-3.1-8b --tokens 8192
+	$(BIN)/kvledger plan llama-3.1-8b --gpu a100-80gb
 	$(BIN)/kvledger verify
 
 test: install-dev

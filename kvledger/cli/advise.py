@@ -1,0 +1,65 @@
+"""``kvledger advise``: the levers that buy more users, ranked by expected gain for a scenario."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvledger.cli.common import positive_int, print_json
+from kvledger.cli.plan import add_memory_arguments, memory_kwargs, resolve
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "advise", help="rank the capacity levers for a scenario: prefix caching, admission control, ...",
+        description="Which lever buys more users: says whether capacity or concurrency binds, then ranks prefix "
+                    "caching, admission control, --max-model-len, KV quantization, tensor parallelism and shorter "
+                    "contexts by expected gain, each with its cost. FP8 KV is never offered below SM 8.9.")
+    add_memory_arguments(p)
+    p.add_argument("--prompt-tokens", type=positive_int, required=True, metavar="N", help="average prompt length")
+    p.add_argument("--output-tokens", type=_non_negative_int, required=True, metavar="N", help="average response length")
+    p.add_argument("--shared-prefix-tokens", type=_non_negative_int, default=0, metavar="N",
+                   help="system-prompt tokens every request shares (default 0)")
+    p.add_argument("--users", type=positive_int, required=True, metavar="N", help="concurrent users served today")
+    p.add_argument("--target-users", type=positive_int, required=True, metavar="N", help="concurrent users wanted")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tabulate import tabulate
+
+    from kvledger.planner.advise import advise
+    from kvledger.planner.bandwidth import effective_bandwidth
+
+    spec, gpu = resolve(args)
+    result = advise(spec, gpu, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, users=args.users,
+                    target_users=args.target_users, shared_prefix_tokens=args.shared_prefix_tokens,
+                    bandwidth=effective_bandwidth(gpu, args.bandwidth, args.bandwidth_efficiency),
+                    **memory_kwargs(args))
+    if args.json:
+        print_json(result.to_dict())
+        return 0
+    print(f"{spec.name} on {gpu.name}: {result.kv_tokens:,} KV tokens; a user holds {result.tokens_per_user:,} "
+          f"({args.prompt_tokens:,} prompt + {args.output_tokens:,} output)")
+    print(f"today {result.users} users hold {result.live_tokens_now:,} tokens = {result.pool_share_now:.0%} of the pool, "
+          f"which holds {result.capacity_users} such users; target {result.target_users}")
+    verdict = ("capacity binds: the pool is full, free memory or shrink tokens" if result.binding == "capacity" else
+               "concurrency, not capacity, binds: the pool has room; admission control is the limit")
+    print(verdict)
+    print()
+    rows = [(i, lv.name, lv.flag, lv.users_after, f"{lv.gain_users:+d}", lv.cost, lv.detail)
+            for i, lv in enumerate(result.levers, start=1)]
+    print(tabulate(rows, headers=["#", "lever", "flag", "users after", "gain", "cost", "why"],
+                   colalign=("right", "left", "left", "right", "right", "left", "left"), maxcolwidths=[None] * 6 + [60]))
+    for note in result.notes:
+        print(f"note: {note}")
+    return 0

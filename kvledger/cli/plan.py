@@ -1,0 +1,287 @@
+"""``kvledger plan``: how many users fit on a card, term by term, for any model, GPU and workload."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvledger.cli.common import add_kv_cache_dtype, fraction, positive_int, print_json, rate, size
+
+
+def add_memory_arguments(p: argparse.ArgumentParser) -> None:
+    """The memory-wall flags, shared by ``plan`` and ``advise`` (vLLM's names where it has one)."""
+    p.add_argument("model", help="preset name (e.g. llama-3.1-8b), config.json or model directory")
+    p.add_argument("--gpu", required=True, metavar="NAME", help="GPU from the catalog, e.g. a100-80gb, h100-80gb, l4")
+    p.add_argument("--gpu-memory", type=size, metavar="SIZE",
+                   help="override the card's memory (bytes or e.g. 80GiB); default: what the device reports")
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
+                   help="share of the card the engine may claim (default 0.9, vLLM's)")
+    p.add_argument("--overhead", type=size, metavar="SIZE",
+                   help="replaces the sum of activation peak, non-torch and CUDA-graph memory")
+    p.add_argument("--activation-memory", type=size, metavar="SIZE", help="override the activation-peak estimate")
+    p.add_argument("--non-torch-memory", type=size, metavar="SIZE", help="override non-torch memory (default 0.15 GiB, +1 GiB at TP>=2)")
+    p.add_argument("--cuda-graph-memory", type=size, metavar="SIZE", help="override CUDA-graph memory (default 0.5 GiB)")
+    p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", type=size, metavar="SIZE",
+                   help="KV pool per card, replacing the whole wall (vLLM's kv_cache_memory_bytes)")
+    add_kv_cache_dtype(p)
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
+                   help="tensor-parallel ranks; weights and KV heads split, numbers are per card (default 1)")
+    p.add_argument("--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block (default 16)")
+    p.add_argument("--weights-dtype", choices=("float32", "bfloat16", "float16", "fp8", "int8", "int4", "mxfp4"),
+                   metavar="D", help="weights at this size instead of the checkpoint's (e.g. int8, int4)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, metavar="N",
+                   help="tokens in the profiling pass that sets the activation peak (default 8192)")
+    p.add_argument("--bandwidth", type=rate, metavar="RATE",
+                   help="sustained memory bandwidth, e.g. 1.5TB/s (default: the card's peak x --bandwidth-efficiency)")
+    p.add_argument("--bandwidth-efficiency", type=fraction, default=0.75, metavar="F",
+                   help="share of the peak bandwidth a decode step sustains (default 0.75)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with every number")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan", help="capacity plan: the memory wall, KV tokens, users per context, bandwidth, workload",
+        description="How many users fit on a card: vLLM's memory wall term by term, the KV blocks and tokens it "
+                    "leaves, users at 2K/8K/32K/128K, the decode-step bandwidth model, and sizing from a real trace.")
+    add_memory_arguments(p)
+    p.add_argument("--max-model-len", type=positive_int, metavar="N",
+                   help="per-sequence context ceiling; an error (as vLLM's) when the pool cannot hold one")
+    p.add_argument("--max-num-seqs", type=positive_int, default=256, metavar="N",
+                   help="concurrency cap; sizes the sampler in the profiling pass (default 256)")
+    p.add_argument("--users", type=positive_int, metavar="N", help="concurrent sequences for the bandwidth model")
+    p.add_argument("--context", type=positive_int, metavar="T", help="live tokens per sequence for the bandwidth model")
+    p.add_argument("--workload", metavar="FILE", help="trace to size from: Azure CSV, Mooncake JSONL, or generic "
+                                                      "CSV/JSONL with prompt_tokens,output_tokens[,timestamp]")
+    p.add_argument("--shared-prefix-tokens", type=positive_int, metavar="N",
+                   help="tokens of system prompt every request shares (prefix-caching savings)")
+    p.add_argument("--plot", metavar="FILE", help="write a PNG: users vs context, the memory wall, the length histogram")
+    p.set_defaults(func=run)
+
+
+def memory_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``plan_memory`` keyword arguments from the parsed flags."""
+    return dict(
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size, block_size=args.block_size, weights_dtype=args.weights_dtype,
+        overhead=args.overhead, kv_cache_memory=args.kv_cache_memory, activation=args.activation_memory,
+        non_torch=args.non_torch_memory, cuda_graph=args.cuda_graph_memory,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=getattr(args, "max_num_seqs", 256),
+    )
+
+
+def resolve(args: argparse.Namespace):
+    """(ModelSpec, GPU with overrides)."""
+    from kvledger.planner.gpus import get_gpu
+    from kvledger.spec import load_model_spec
+
+    spec = load_model_spec(args.model)
+    gpu = get_gpu(args.gpu).with_overrides(memory_bytes=args.gpu_memory)
+    return spec, gpu
+
+
+def compute(args: argparse.Namespace) -> dict[str, Any]:
+    """Every number of the plan, as one JSON-ready dict (plus private objects under ``_``)."""
+    from kvledger.errors import KVLedgerError
+    from kvledger.planner import bandwidth as bw
+    from kvledger.planner.memory_wall import (CONTEXTS, check_max_model_len, max_fitting_length, plan_memory,
+                                              sequence_blocks, useful_work, users_at)
+
+    if (args.users is None) != (args.context is None):
+        raise KVLedgerError("--users and --context go together: give both for the bandwidth model")
+    spec, gpu = resolve(args)
+    wall = plan_memory(spec, gpu, **memory_kwargs(args))
+    if args.max_model_len:
+        error = check_max_model_len(spec, wall, args.max_model_len)
+        if error:
+            raise KVLedgerError(error)
+    contexts = list(CONTEXTS) + ([args.max_model_len] if args.max_model_len and args.max_model_len not in CONTEXTS else [])
+    users = {str(t): users_at(spec, wall, t) for t in contexts}
+    bandwidth = bw.effective_bandwidth(gpu, args.bandwidth, args.bandwidth_efficiency)
+    crossover = bw.crossover_tokens(wall.weights_bytes, wall.token_bytes)
+    conversation = args.context or 8192
+    out: dict[str, Any] = {
+        "model": spec.name, "gpu": gpu.name, "gpu_full_name": gpu.full_name, "compute_capability": gpu.compute_capability,
+        **{k: v for k, v in wall.to_dict().items() if k not in ("model", "gpu")},
+        "kv_pool_gib": wall.kv_pool_bytes / 2**30, "weights_gib": wall.weights_bytes / 2**30,
+        "users_per_context": users,
+        "useful_work": {t: useful_work(n) for t, n in users.items()},
+        "bandwidth_bytes_per_s": bandwidth,
+        "crossover_tokens": crossover,
+        "crossover_context": conversation,
+        "crossover_conversations": crossover / conversation,
+        "max_fitting_length": max_fitting_length(spec, wall),
+        "notes": list(spec.notes),
+    }
+    model_max = spec.max_position_embeddings
+    if not args.max_model_len and model_max and check_max_model_len(spec, wall, int(model_max)):
+        out["notes"].append(f"vLLM would refuse to start with the model's default max_model_len ({int(model_max):,}): "
+                            f"the pool holds {out['max_fitting_length']:,} tokens for one sequence; "
+                            "set --max-model-len")
+    max_len = args.max_model_len or (int(model_max) if model_max else None)
+    if max_len:
+        out["max_model_len"] = max_len
+        out["max_concurrency"] = wall.num_blocks / sequence_blocks(spec, wall, max_len)
+    if args.users:
+        kv = bw.kv_read_bytes(spec, wall.kv_cache_dtype, args.users, args.context, wall.tensor_parallel_size)
+        step = bw.decode_step(wall.weights_bytes, kv, args.users, args.context, bandwidth)
+        out.update({k: v for k, v in step.to_dict().items() if k not in ("users", "context")})
+        out.update(users=args.users, context=args.context,
+                   load_fits=args.users <= users_at(spec, wall, args.context))
+    if args.workload:
+        out["workload"] = workload_report(args, spec, gpu, wall, bandwidth)
+    out["_"] = (spec, gpu, wall)
+    return out
+
+
+def workload_report(args: argparse.Namespace, spec, gpu, wall, bandwidth: float) -> dict[str, Any]:
+    from kvledger.planner import bandwidth as bw
+    from kvledger.planner import workload as wl
+
+    trace = wl.read_trace(args.workload)
+    rep = wl.replay(trace, lambda live: bw.step_time(wall.weights_bytes, live, wall.token_bytes, bandwidth),
+                    bw.prefill_seconds_per_token(spec, gpu, wall.tensor_parallel_size))
+    stats = rep.stats(wall.kv_tokens) if rep else None
+    out = {
+        "file": trace.name, "format": trace.format, "requests": len(trace), "duration_s": trace.duration_s,
+        "prompt_tokens": wl.percentiles(trace.prompt), "output_tokens": wl.percentiles(trace.output),
+        "total_tokens": wl.percentiles(trace.total), "histogram": wl.histogram(trace),
+        "replay": stats,
+        "recommend": wl.recommend(trace, wall.block_size, wall.kv_tokens,
+                                  stats["live_tokens_per_sequence"] if stats else None, spec.max_position_embeddings),
+        "prefix_caching": wl.prefix_savings(trace, args.shared_prefix_tokens),
+    }
+    out["_trace"] = trace
+    return out
+
+
+def _strip(obj: Any) -> Any:
+    """Drop private entries (keys starting with ``_``) for JSON."""
+    if isinstance(obj, dict):
+        return {k: _strip(v) for k, v in obj.items() if not k.startswith("_")}
+    if isinstance(obj, list):
+        return [_strip(v) for v in obj]
+    return obj
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = compute(args)
+    if args.plot:
+        from kvledger.planner.plot import plot_plan
+
+        spec, gpu, wall = plan["_"]
+        trace = plan.get("workload", {}).get("_trace")
+        plot_plan(args.plot, spec, wall, trace)
+        plan["plot"] = args.plot
+    if args.json:
+        print_json(_strip(plan))
+    else:
+        print_plan(plan)
+    return 0
+
+
+# ---------------------------------------------------------------------------------- text
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.2f}"
+
+
+def print_plan(plan: dict[str, Any]) -> None:
+    from tabulate import tabulate
+
+    from kvledger.units import format_bytes, format_rate
+
+    spec, gpu, wall = plan["_"]
+    tp = wall.tensor_parallel_size
+    print(f"{spec.describe()}")
+    print(f"on {gpu.name} ({gpu.full_name}, {gpu.sm}, {_gib(gpu.memory_bytes)} GiB, "
+          f"{format_rate(gpu.bandwidth_bytes_per_s)})" + (f", TP {tp}: numbers are per card" if tp > 1 else ""))
+    print()
+    from kvledger.planner.gpus import get_gpu
+
+    label = "total memory (as the device reports)" if get_gpu(gpu.name).memory_bytes == wall.total_bytes \
+        else "total memory (--gpu-memory)"
+    rows = [(label, f"{wall.total_bytes:,}", _gib(wall.total_bytes))]
+    if wall.kv_pool_given:
+        rows.append(("- weights", f"{wall.weights_bytes:,}", _gib(wall.weights_bytes)))
+        rows.append(("= KV cache pool (--kv-cache-memory)", f"{wall.kv_pool_bytes:,}", _gib(wall.kv_pool_bytes)))
+    else:
+        rows.append((f"x gpu-memory-utilization {wall.gpu_memory_utilization}", f"{wall.requested_bytes:,}",
+                     _gib(wall.requested_bytes)))
+        rows.append((f"- weights{' per rank' if tp > 1 else ''}", f"{wall.weights_bytes:,}", _gib(wall.weights_bytes)))
+        if wall.overhead_given:
+            rows.append(("- overhead (--overhead)", f"{wall.overhead_bytes:,}", _gib(wall.overhead_bytes)))
+        else:
+            rows += [("- activation peak (profiling pass)", f"{wall.activation_bytes:,}", _gib(wall.activation_bytes)),
+                     ("- non-torch memory", f"{wall.non_torch_bytes:,}", _gib(wall.non_torch_bytes)),
+                     ("- CUDA graphs", f"{wall.cuda_graph_bytes:,}", _gib(wall.cuda_graph_bytes))]
+        rows.append(("= KV cache pool", f"{wall.kv_pool_bytes:,}", _gib(wall.kv_pool_bytes)))
+    print(tabulate(rows, headers=["memory wall", "bytes", "GiB"], colalign=("left", "right", "right"), disable_numparse=True))
+    print()
+    rows = [(f"bytes per token (Eq 2.2, {wall.kv_cache_dtype})", f"{wall.bytes_per_token:,}",
+             format_bytes(wall.bytes_per_token))]
+    if wall.scale_bytes_per_token:
+        rows.append(("scale bytes per token", f"{wall.scale_bytes_per_token:,}", format_bytes(wall.scale_bytes_per_token)))
+    rows += [(f"block ({wall.block_size} tokens)", f"{wall.block_bytes:,}", format_bytes(wall.block_bytes)),
+             ("blocks", f"{wall.num_blocks:,}", ""),
+             ("GPU KV cache size (tokens)", f"{wall.kv_tokens:,}", ""),
+             *([(f"maximum concurrency for {plan['max_model_len']:,} tokens per request",
+                 f"{plan['max_concurrency']:.2f}x", "")] if "max_concurrency" in plan else []),
+             ("crossover: KV traffic = weight traffic (live tokens)", f"{plan['crossover_tokens']:,}",
+              f"{plan['crossover_conversations']:.1f} x {plan['crossover_context']:,}-token conversations")]
+    print(tabulate(rows, headers=["KV cache", "", ""], colalign=("left", "right", "right"), disable_numparse=True))
+    print()
+    rows = [(f"{int(t):,}", f"{n:,}", plan["useful_work"][t]) for t, n in plan["users_per_context"].items()]
+    print(tabulate(rows, headers=["context per user", "concurrent users", "useful work?"],
+                   colalign=("right", "right", "left")))
+    if "step_time_s" in plan:
+        print()
+        print(f"bandwidth model: {plan['users']} users x {plan['context']:,} tokens at "
+              f"{format_rate(plan['bandwidth_bytes_per_s'])}" + ("" if plan["load_fits"] else "  (does NOT fit the pool)"))
+        rows = [("weights read per step", _gib(plan["weights_bytes_per_step"]) + " GiB"),
+                ("KV read per step", _gib(plan["kv_bytes_per_step"]) + " GiB"),
+                ("total per step", _gib(plan["total_bytes_per_step"]) + " GiB"),
+                ("step time", f"{plan['step_time_s'] * 1e3:.1f} ms"),
+                ("aggregate", f"{plan['tokens_per_s']:,.0f} tok/s"),
+                ("per user", f"{plan['tokens_per_s_per_user']:.1f} tok/s"),
+                ("KV share of bytes moved", f"{plan['kv_byte_share']:.0%}")]
+        print(tabulate(rows, colalign=("left", "right")))
+    if "workload" in plan:
+        print_workload(plan["workload"], wall)
+    for note in plan["notes"]:
+        print(f"note: {note}")
+    if plan.get("plot"):
+        print(f"plot written to {plan['plot']}")
+
+
+def print_workload(w: dict[str, Any], wall) -> None:
+    from tabulate import tabulate
+
+    print()
+    span = f" over {w['duration_s'] / 60:.1f} min" if w["duration_s"] else ""
+    print(f"workload {w['file']} ({w['format']}): {w['requests']:,} requests{span}")
+    keys = ("mean", "p50", "p90", "p99", "max")
+    rows = [(name, *(f"{w[k][q]:,.0f}" for q in keys))
+            for name, k in (("prompt", "prompt_tokens"), ("output", "output_tokens"), ("prompt+output", "total_tokens"))]
+    print(tabulate(rows, headers=["tokens", *keys], colalign=("left",) + ("right",) * 5))
+    print()
+    rows = [(f"{h['lo']:,}-{h['hi']:,}" if h["hi"] else f"{h['lo']:,}+", f"{h['prompt']:,}", f"{h['output']:,}",
+             f"{h['total']:,}")
+            for h in w["histogram"] if h["prompt"] or h["output"] or h["total"]]
+    print(tabulate(rows, headers=["length", "prompts", "outputs", "prompt+output"], colalign=("right",) * 4))
+    r = w["replay"]
+    if r:
+        print()
+        print(f"live tokens over the trace (replayed, step {r['step_time_s'] * 1e3:.1f} ms) against the pool "
+              f"of {wall.kv_tokens:,} tokens:")
+        rows = [(name, *(f"{r[k][q]:,.0f}" for q in keys)) for name, k in
+                (("live tokens", "live_tokens"), ("sequences", "sequences"))]
+        print(tabulate(rows, headers=["", *keys], colalign=("left",) + ("right",) * 5))
+        print(f"time with demand above the pool: {r['time_over_pool']:.1%}")
+    else:
+        print("no timestamps in the trace: live tokens over time are not replayed")
+    rec = w["recommend"]
+    print(f"recommend --max-model-len {rec['max_model_len']:,} (rejects {rec['rejected_share']:.2%} of requests) "
+          f"and --max-num-seqs {rec['max_num_seqs']:,} ({rec['live_tokens_per_sequence']:,.0f} live tokens per sequence)")
+    pc = w["prefix_caching"]
+    if pc:
+        print(f"prefix caching ({pc['source']}): {pc['saved_tokens']:,} of {pc['prompt_tokens']:,} prompt tokens "
+              f"reused ({pc['saved_share']:.1%})")

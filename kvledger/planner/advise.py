@@ -1,0 +1,200 @@
+"""Which lever buys more users: the levers ranked by expected gain for a scenario, with their cost.
+
+A scenario is a model on a card, requests of ``prompt_tokens + output_tokens`` (optionally
+sharing a ``shared_prefix_tokens`` system prompt), ``users`` served today and ``target_users``
+wanted. Each user is sized at its full live context (prompt + output), as the block pool
+must hold it at the end of its response.
+
+**What binds.** If today's users fill the pool (at least ``CAPACITY_BINDS_AT`` of what it
+holds), memory binds: "capacity". Otherwise the pool has room and the limit is admission
+control: "concurrency".
+
+**Ranking.** Each lever is applied alone; ``users_after`` is how many such users the card
+then holds. Its expected gain is the users it adds towards the target,
+``min(users_after, target) - users``, discounted by what the lever costs
+(``COST_WEIGHT``: free flags first, then latency, rejected requests, model quality,
+hardware, product changes). FP8 KV is never offered on a card below SM 8.9.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvledger.errors import KVLedgerError
+from kvledger.planner.bandwidth import decode_step, effective_bandwidth, kv_read_bytes
+from kvledger.planner.gpus import GPU
+from kvledger.planner.memory_wall import MemoryWall, plan_memory, sequence_blocks
+from kvledger.spec import ModelSpec
+from kvledger.spec.dtypes import QUANTIZED_KV_DTYPES
+
+CAPACITY_BINDS_AT = 0.9
+"""Share of the pool today's users must fill for capacity, not concurrency, to bind
+(the scheduler starts preempting as the pool nears full)."""
+RAISED_UTILIZATION = 0.95
+"""The ``--gpu-memory-utilization`` the admission-control lever raises to."""
+SHORTER_CONTEXT_FACTOR = 0.5
+"""Retrieval or summarisation is assumed to halve the prompt (the shared prefix excepted)."""
+COST_WEIGHT = {
+    "none": 1.0,          # prefix caching: no quality cost
+    "latency": 0.9,       # admission control: decode steps get slower
+    "rejections": 0.8,    # max-model-len: requests above the ceiling are refused
+    "quality-fp8": 0.5,   # fp8 KV: quality to validate, native on SM >= 8.9
+    "quality-int8": 0.45,  # int8 KV: quality to validate, per-token scales
+    "hardware": 0.3,      # tensor parallelism: more GPUs
+    "product": 0.25,      # shorter contexts: a product change, slowest to ship
+}
+
+
+@dataclass(frozen=True)
+class Lever:
+    """One way to serve more users, scored for the scenario."""
+
+    name: str
+    flag: str
+    users_after: int
+    gain_users: int
+    score: float
+    cost: str
+    detail: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Advice:
+    """The scenario's verdict and its ranked levers."""
+
+    model: str
+    gpu: str
+    binding: str
+    users: int
+    target_users: int
+    tokens_per_user: int
+    kv_tokens: int
+    kv_pool_bytes: int
+    capacity_users: int
+    live_tokens_now: int
+    pool_share_now: float
+    duplicated_prefix_tokens: int
+    prefix_share_of_pool: float
+    levers: list[Lever] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["levers"] = [lever.to_dict() for lever in self.levers]
+        return out
+
+
+def _users(spec: ModelSpec, wall: MemoryWall, tokens: int, shared_prefix: int = 0) -> int:
+    """Users of ``tokens`` live tokens that ``wall`` holds; ``shared_prefix`` tokens (whole
+    blocks only, as prefix caching shares blocks) are held once for everyone."""
+    shared_blocks = shared_prefix // wall.block_size
+    per_user = sequence_blocks(spec, wall, tokens) - shared_blocks
+    return max(0, (wall.num_blocks - shared_blocks) // max(per_user, 1))
+
+
+def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int, users: int, target_users: int,
+           shared_prefix_tokens: int = 0, bandwidth: float | None = None, **memory: Any) -> Advice:
+    """Rank the levers for the scenario. ``memory`` takes ``plan_memory``'s keyword arguments."""
+    for value, flag in ((prompt_tokens, "--prompt-tokens"), (users, "--users"), (target_users, "--target-users")):
+        if value <= 0:
+            raise KVLedgerError(f"{flag} must be a positive integer, got {value}")
+    if output_tokens < 0 or shared_prefix_tokens < 0:
+        raise KVLedgerError("--output-tokens and --shared-prefix-tokens must not be negative")
+    if shared_prefix_tokens > prompt_tokens:
+        raise KVLedgerError(f"--shared-prefix-tokens ({shared_prefix_tokens}) exceeds --prompt-tokens ({prompt_tokens})")
+    wall = plan_memory(spec, gpu, **memory)
+    per_user = prompt_tokens + output_tokens
+    capacity = _users(spec, wall, per_user)
+    live_now = users * per_user
+    binding = "capacity" if users >= CAPACITY_BINDS_AT * capacity else "concurrency"
+    bw = effective_bandwidth(gpu, bandwidth)
+    cap = max(target_users, users)
+
+    def lever(name: str, flag: str, users_after: int, cost: str, detail: str) -> Lever:
+        gain = min(users_after, cap) - users
+        return Lever(name, flag, users_after, gain, round(max(gain, 0) * COST_WEIGHT[cost], 3), cost, detail)
+
+    def step_ms(n: int) -> float:
+        kv = kv_read_bytes(spec, wall.kv_cache_dtype, n, per_user, wall.tensor_parallel_size)
+        return 1e3 * decode_step(wall.weights_bytes, kv, n, per_user, bw).step_time_s
+
+    levers: list[Lever] = []
+    duplicated = target_users * shared_prefix_tokens
+    if shared_prefix_tokens:
+        after = _users(spec, wall, per_user, shared_prefix_tokens)
+        levers.append(lever(
+            "prefix-caching", "--enable-prefix-caching", after, "none",
+            f"the {shared_prefix_tokens:,}-token shared prefix across {target_users} users is {duplicated:,} duplicated "
+            f"tokens ({duplicated / wall.kv_tokens:.0%} of the pool); shared once it costs {shared_prefix_tokens:,}; "
+            "price: block-table bookkeeping and an invalidation path when the prompt changes"))
+    else:
+        levers.append(lever("prefix-caching", "--enable-prefix-caching", capacity, "none",
+                            "no shared prefix given (--shared-prefix-tokens): nothing to share for diverse one-shot traffic"))
+
+    util = memory.get("gpu_memory_utilization", 0.9)
+    raised = plan_memory(spec, gpu, **{**memory, "gpu_memory_utilization": max(util, RAISED_UTILIZATION)}) \
+        if memory.get("kv_cache_memory") is None else wall
+    after = _users(spec, raised, per_user)
+    served = max(1, min(after, cap))
+    levers.append(lever(
+        "admission-control", f"--max-num-seqs {served} --gpu-memory-utilization {max(util, RAISED_UTILIZATION)}", after,
+        "latency",
+        f"the pool holds {after} such users, {users} are admitted; free, but each decode step reads more KV: "
+        f"{step_ms(users):.0f} ms -> {step_ms(served):.0f} ms per token at {served} users; check the TPOT SLO"))
+
+    model_max = int(spec.max_position_embeddings or per_user)
+    max_len = math.ceil(per_user / wall.block_size) * wall.block_size
+    before = wall.num_blocks // sequence_blocks(spec, wall, max(model_max, max_len))
+    after = wall.num_blocks // sequence_blocks(spec, wall, max_len)
+    levers.append(lever(
+        "max-model-len", f"--max-model-len {max_len}", after, "rejections",
+        f"worst-case reservations: {before} users at the model's {model_max:,} tokens, {after} at {max_len:,} "
+        "(this prompt + output); price: longer requests are rejected, so measure the tail first"))
+
+    if wall.kv_cache_dtype not in QUANTIZED_KV_DTYPES:
+        kinds = (["fp8"] if gpu.fp8_kv else []) + ["int8"]
+        for kind in kinds:
+            alt = plan_memory(spec, gpu, **{**memory, "kv_cache_dtype": kind})
+            after = _users(spec, alt, per_user)
+            ratio = alt.num_blocks / wall.num_blocks
+            levers.append(lever(
+                f"kv-cache-{kind}", f"--kv-cache-dtype {kind}", after, f"quality-{kind}",
+                f"{ratio:.2f}x the blocks ({alt.kv_tokens:,} tokens); price: validate quality on long-context "
+                "evaluations, never short ones" + ("" if gpu.fp8_kv else f"; FP8 is unavailable on {gpu.sm}, INT8 is the path")))
+    notes = [] if gpu.fp8_kv else [
+        f"FP8 KV is not offered: {gpu.name} is {gpu.sm}; FP8 KV cache needs SM 8.9+ (Ada, Hopper, Blackwell); "
+        "below that it either refuses to run or silently emulates"]
+
+    tp = memory.get("tensor_parallel_size", 1)
+    bigger = next((n for n in (2 * tp, 4 * tp, 8 * tp) if spec.num_attention_heads % n == 0), None)
+    try:
+        alt = plan_memory(spec, gpu, **{**memory, "tensor_parallel_size": bigger}) if bigger else None
+    except KVLedgerError:
+        alt = None
+    if alt is not None:
+        after = _users(spec, alt, per_user)
+        levers.append(lever(
+            "tensor-parallel", f"--tensor-parallel-size {bigger}", after, "hardware",
+            f"{bigger} GPUs split weights and KV heads: {alt.kv_tokens:,} tokens per rank; price: {bigger // tp}x the "
+            "GPUs and an all-reduce per layer"))
+
+    shorter = int((prompt_tokens - shared_prefix_tokens) * SHORTER_CONTEXT_FACTOR) + shared_prefix_tokens
+    after = _users(spec, wall, shorter + output_tokens)
+    levers.append(lever(
+        "shorter-contexts", "(retrieval / summarisation)", after, "product",
+        f"assuming the prompt shrinks to {shorter:,} tokens; the largest lever in theory and the slowest to ship, "
+        "because it is a product change, not a serving flag"))
+
+    levers.sort(key=lambda lv: (-lv.score, -COST_WEIGHT[lv.cost]))
+    return Advice(
+        model=spec.name, gpu=gpu.name, binding=binding, users=users, target_users=target_users,
+        tokens_per_user=per_user, kv_tokens=wall.kv_tokens, kv_pool_bytes=wall.kv_pool_bytes,
+        capacity_users=capacity, live_tokens_now=live_now, pool_share_now=live_now / wall.kv_tokens,
+        duplicated_prefix_tokens=duplicated, prefix_share_of_pool=duplicated / wall.kv_tokens,
+        levers=levers, notes=notes,
+    )

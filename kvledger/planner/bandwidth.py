@@ -1,0 +1,98 @@
+"""Caching removes compute, not traffic: the bytes a decode step moves, and what they cost.
+
+A decode step reads the weights once (shared by the whole batch) and every sequence's own
+live KV cache. At a sustained bandwidth ``bw`` (bytes/s):
+
+    step_time = (weights + sum over sequences of KV bytes) / bw
+    tokens/s  = batch / step_time          (one token per sequence per step)
+
+KV traffic equals weight traffic at ``weights / bytes_per_token`` live tokens: the crossover.
+Below it, quantizing weights pays most; above it, the cache owns the bandwidth. A bound, not a
+benchmark: fused kernels beat parts of it. All bytes are per rank (one card).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvledger.planner.gpus import GPU
+from kvledger.spec import ModelSpec, kv_bytes
+
+DEFAULT_BANDWIDTH_EFFICIENCY = 0.75
+"""Share of the datasheet bandwidth a decode step sustains. The chapter's "realistically
+achievable ~1.5 TB/s" on an A100 80 GB (2.039 TB/s peak) is 0.74 of peak."""
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """Bytes and time of one decode step for ``users`` sequences of ``context`` tokens."""
+
+    users: int
+    context: int
+    bandwidth_bytes_per_s: float
+    weights_bytes_per_step: int
+    kv_bytes_per_step: int
+    total_bytes_per_step: int
+    step_time_s: float
+    tokens_per_s: float
+    tokens_per_s_per_user: float
+    kv_byte_share: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def effective_bandwidth(gpu: GPU, bandwidth: float | None = None,
+                        efficiency: float = DEFAULT_BANDWIDTH_EFFICIENCY) -> float:
+    """``--bandwidth`` as given (absolute), else the card's peak times ``efficiency``. Bytes/s."""
+    return float(bandwidth) if bandwidth is not None else gpu.bandwidth_bytes_per_s * efficiency
+
+
+def kv_read_bytes(spec: ModelSpec, kv_cache_dtype: str, users: int, context: int, tensor_parallel_size: int = 1) -> int:
+    """KV bytes one step reads on one rank: Eq 2.2 for ``users`` x ``context`` plus scales."""
+    kvb = kv_bytes(spec, kv_cache_dtype, tokens=context, batch=users, tensor_parallel_size=tensor_parallel_size)
+    return kvb.total_bytes + kvb.scale_bytes_per_token * users * context
+
+
+def decode_step(weights_bytes: int, kv_bytes_per_step: int, users: int, context: int, bandwidth: float) -> DecodeStep:
+    """The step for a batch whose KV read is ``kv_bytes_per_step`` bytes (per rank)."""
+    total = weights_bytes + kv_bytes_per_step
+    step = total / bandwidth
+    return DecodeStep(
+        users=users, context=context, bandwidth_bytes_per_s=bandwidth, weights_bytes_per_step=weights_bytes,
+        kv_bytes_per_step=kv_bytes_per_step, total_bytes_per_step=total, step_time_s=step,
+        tokens_per_s=users / step, tokens_per_s_per_user=1 / step, kv_byte_share=kv_bytes_per_step / total,
+    )
+
+
+def step_time(weights_bytes: int, live_tokens: float, token_bytes: int, bandwidth: float) -> float:
+    """Seconds per decode step with ``live_tokens`` cached tokens in the batch."""
+    return (weights_bytes + live_tokens * token_bytes) / bandwidth
+
+
+def crossover_tokens(weights_bytes: int, token_bytes: int) -> int:
+    """Live tokens at which a step's KV traffic equals its weight traffic (rounded up)."""
+    return math.ceil(weights_bytes / token_bytes)
+
+
+PREFILL_EFFICIENCY = 0.5
+"""Share of the card's dense bf16 FLOP/s a prefill sustains (model FLOP utilization)."""
+
+
+def active_params(spec: ModelSpec) -> int:
+    """Parameters one token passes through: all of them, less the experts it is not routed to."""
+    from kvledger.spec import count_params
+
+    params = count_params(spec)
+    if not spec.is_moe or not spec.num_experts:
+        return params.total
+    unused = params.expert * (1 - spec.num_experts_per_token / spec.num_experts)
+    return int(params.total - unused)
+
+
+def prefill_seconds_per_token(spec: ModelSpec, gpu: GPU, tensor_parallel_size: int = 1,
+                              efficiency: float = PREFILL_EFFICIENCY) -> float:
+    """Compute-bound prefill: ``2 x active parameters`` FLOPs per token, split over the ranks."""
+    return 2 * active_params(spec) / tensor_parallel_size / (gpu.bf16_flops * efficiency)

@@ -1,0 +1,187 @@
+"""The capacity planner's memory wall, GPU catalog and bandwidth model, against the chapter and vLLM."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvledger.errors import KVLedgerError
+from kvledger.planner import bandwidth as bw
+from kvledger.planner.gpus import CATALOG, get_gpu, gpus
+from kvledger.planner.memory_wall import (check_max_model_len, max_fitting_length, num_blocks, plan_memory,
+                                          sequence_blocks, users_at)
+from kvledger.spec import load_model_spec, weights_bytes
+
+GiB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_model_spec("llama-3.1-8b")
+
+
+def chapter_wall(spec, **kw):
+    """The chapter's assumptions: an 80 GiB A100, all of it, 3 GiB of overhead."""
+    gpu = get_gpu("a100-80gb").with_overrides(memory_bytes=80 * GiB)
+    return plan_memory(spec, gpu, gpu_memory_utilization=1.0, overhead=3 * GiB, **kw)
+
+
+def within(value, expected, rel):
+    return abs(value - expected) <= rel * expected
+
+
+# ------------------------------------------------------------------------------ catalog
+def test_catalog_has_every_card_with_sources():
+    names = {"a10g", "l4", "l40s", "a100-40gb", "a100-80gb", "h100-80gb", "h100-pcie-80gb", "h200", "b200",
+             "mi300x", "rtx-3090", "rtx-4090"}
+    assert names <= set(gpus())
+    raw = json.loads(CATALOG.read_text())["gpus"]
+    for entry in raw:
+        assert entry["memory_source"] and entry["spec_source"], entry["name"]
+        assert entry["bandwidth_bytes_per_s"] > 1e11 and entry["bf16_flops"] > 1e13
+    # device-reported memory, not the marketing figure
+    assert gpus()["h100-80gb"].memory_bytes == 85_029_158_912
+    assert 79.1 < gpus()["a100-80gb"].memory_bytes / GiB < 79.3
+    assert gpus()["a100-80gb"].memory_bytes < 80 * GiB  # the driver keeps some of the 80 GiB
+
+
+def test_fp8_needs_sm89():
+    assert not get_gpu("a100-80gb").fp8_kv and not get_gpu("rtx-3090").fp8_kv and not get_gpu("a10g").fp8_kv
+    assert get_gpu("h100-80gb").fp8_kv and get_gpu("l4").fp8_kv and get_gpu("rtx-4090").fp8_kv
+    assert get_gpu("mi300x").fp8_kv
+
+
+def test_unknown_gpu_lists_close_matches():
+    with pytest.raises(KVLedgerError, match="a100-80gb"):
+        get_gpu("a100-80")
+    assert get_gpu("H100_80GB").name == "h100-80gb"
+
+
+# ------------------------------------------------------------------------------ the chapter
+def test_chapter_weights(llama):
+    assert weights_bytes(llama) == 16_060_522_496
+    assert round(weights_bytes(llama) / GiB, 2) == 14.96
+
+
+def test_chapter_memory_wall(llama):
+    wall = chapter_wall(llama)
+    assert wall.weights_bytes == 16_060_522_496
+    assert round(wall.kv_pool_bytes / GiB) == 62
+    assert wall.bytes_per_token == 128 * 1024
+    assert within(wall.kv_tokens, 496_000, 0.03)
+    assert wall.kv_tokens == wall.num_blocks * 16
+    for context, users in ((2048, 242), (8192, 60), (32768, 15), (131072, 3)):
+        assert within(users_at(llama, wall, context), users, 0.05), context
+
+
+def test_chapter_bandwidth(llama):
+    wall = chapter_wall(llama)
+    kv = bw.kv_read_bytes(llama, "auto", 60, 8192)
+    assert kv == 60 * GiB
+    step = bw.decode_step(wall.weights_bytes, kv, 60, 8192, bw.effective_bandwidth(get_gpu("a100-80gb"), 1.5e12))
+    assert within(step.total_bytes_per_step / GiB, 75, 0.01)
+    assert within(step.step_time_s, 0.054, 0.02)
+    assert within(step.tokens_per_s, 1100, 0.03)
+    assert within(step.tokens_per_s_per_user, 18, 0.05)
+    assert round(step.kv_byte_share, 2) == 0.80
+    cross = bw.crossover_tokens(wall.weights_bytes, wall.token_bytes)
+    assert within(cross, 122_000, 0.01)
+    assert round(cross / 8192) == 15
+
+
+def test_default_bandwidth_is_peak_times_efficiency():
+    a100 = get_gpu("a100-80gb")
+    assert bw.effective_bandwidth(a100) == pytest.approx(2.039e12 * 0.75)
+    assert bw.effective_bandwidth(a100, 1.5e12) == 1.5e12
+
+
+# ------------------------------------------------------------------------------ vLLM
+def test_vllm_reported_pool_reproduces_its_token_count(llama):
+    """vLLM 0.19, Llama-3.1-8B, H100 80 GB, utilization 0.95: 58.11 GiB -> 476,016 tokens."""
+    wall = plan_memory(llama, get_gpu("h100-80gb"), gpu_memory_utilization=0.95, kv_cache_memory=int(58.11 * GiB))
+    assert within(wall.kv_tokens, 476_016, 0.005)
+
+
+def test_vllm_case_from_scratch(llama):
+    wall = plan_memory(llama, get_gpu("h100-80gb"), gpu_memory_utilization=0.95)
+    assert within(wall.kv_tokens, 476_016, 0.05)
+    assert wall.overhead_bytes == wall.activation_bytes + wall.non_torch_bytes + wall.cuda_graph_bytes
+    assert wall.kv_pool_bytes == wall.requested_bytes - wall.weights_bytes - wall.overhead_bytes
+
+
+def test_each_overhead_term_is_overridable(llama):
+    base = plan_memory(llama, get_gpu("a100-80gb"))
+    less = plan_memory(llama, get_gpu("a100-80gb"), activation=0, non_torch=0, cuda_graph=0)
+    assert less.kv_pool_bytes - base.kv_pool_bytes == base.overhead_bytes
+    given = plan_memory(llama, get_gpu("a100-80gb"), overhead=GiB)
+    assert given.overhead_bytes == GiB and given.overhead_given
+
+
+def test_max_model_len_error_mirrors_vllm(llama):
+    wall = plan_memory(llama, get_gpu("l4"))
+    assert check_max_model_len(llama, wall, 4096) is None
+    message = check_max_model_len(llama, wall, 131072)
+    assert "KV cache is needed, which is larger than the available KV cache memory" in message
+    assert f"estimated maximum model length is {max_fitting_length(llama, wall):,}" in message
+    assert max_fitting_length(llama, wall) == wall.kv_tokens
+
+
+# ------------------------------------------------------------------------------ quantized caches and TP
+def test_int8_capacity_counts_scales(llama):
+    bf16, int8 = chapter_wall(llama), chapter_wall(llama, kv_cache_dtype="int8")
+    assert int8.bytes_per_token == 65_536 and int8.scale_bytes_per_token == 2048
+    assert int8.num_blocks == int8.kv_pool_bytes // (16 * (65_536 + 2048))
+    assert 1.9 <= int8.num_blocks / bf16.num_blocks < 2
+
+
+def test_fp8_refused_below_sm89_and_pointed_at_int8(llama):
+    with pytest.raises(KVLedgerError, match="int8") as err:
+        plan_memory(llama, get_gpu("a100-80gb"), kv_cache_dtype="fp8_e5m2")
+    assert "SM 8.9" in str(err.value) and "SM 8.0" in str(err.value)
+    fp8 = plan_memory(llama, get_gpu("h100-80gb"), kv_cache_dtype="fp8")
+    assert fp8.bytes_per_token == 65_536
+
+
+def test_tensor_parallel_is_per_rank(llama):
+    one = plan_memory(llama, get_gpu("a100-80gb"))
+    two = plan_memory(llama, get_gpu("a100-80gb"), tensor_parallel_size=2)
+    assert two.weights_bytes == one.weights_bytes // 2
+    assert two.bytes_per_token == one.bytes_per_token // 2
+    assert two.non_torch_bytes > one.non_torch_bytes
+
+
+def test_weights_larger_than_card_names_a_tp_that_fits():
+    spec = load_model_spec("llama-3.1-70b")
+    with pytest.raises(KVLedgerError, match="--tensor-parallel-size 2 would fit"):
+        plan_memory(spec, get_gpu("a100-80gb"))
+    with pytest.raises(KVLedgerError, match="--tensor-parallel-size 8 would fit"):  # TP 4: 32.9 GiB + overhead > 35.4
+        plan_memory(spec, get_gpu("a100-40gb"), tensor_parallel_size=2)
+    assert plan_memory(spec, get_gpu("a100-80gb"), tensor_parallel_size=2).num_blocks > 0
+    assert plan_memory(spec, get_gpu("a100-80gb"), weights_dtype="int4").num_blocks > 0
+
+
+def test_sliding_window_sequences_cost_less():
+    spec = load_model_spec("gemma-2-9b")
+    wall = plan_memory(spec, get_gpu("h100-80gb"))
+    assert sequence_blocks(spec, wall, 32768) < 32768 // wall.block_size
+    assert users_at(spec, wall, 2048) == wall.num_blocks // (2048 // wall.block_size)
+
+
+# ------------------------------------------------------------------------------ properties
+@settings(max_examples=200, deadline=None)
+@given(pool=st.integers(0, 10**12), block=st.sampled_from([1, 8, 16, 32, 128]), token=st.integers(1, 10**6))
+def test_num_blocks_is_the_largest_count_that_fits(pool, block, token):
+    n = num_blocks(pool, block, token)
+    assert n * block * token <= max(pool, 0) < (n + 1) * block * token
+
+
+@settings(max_examples=60, deadline=None)
+@given(context=st.integers(1, 300_000), util=st.floats(0.5, 1.0))
+def test_users_fit_in_the_pool(llama, context, util):
+    wall = plan_memory(llama, get_gpu("h200"), gpu_memory_utilization=util)
+    users = users_at(llama, wall, context)
+    need = sequence_blocks(llama, wall, context)
+    assert users * need <= wall.num_blocks < (users + 1) * need

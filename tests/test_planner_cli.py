@@ -1,0 +1,120 @@
+"""``kvledger plan`` as a user runs it: the interface outside checks call, the chapter's numbers,
+vLLM's, bad input, plots, and no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.cli_helpers import assert_one_line_error, kvledger
+
+CHAPTER = ("llama-3.1-8b", "--gpu", "a100-80gb", "--gpu-memory", "80GiB", "--gpu-memory-utilization", "1.0",
+           "--overhead", "3GiB")
+GiB = 1 << 30
+
+
+def plan(*args: str) -> dict:
+    r = kvledger("plan", *args, "--json")
+    assert r.returncode == 0, r.stderr
+    return r.json()
+
+
+def test_json_interface_keys():
+    out = plan(*CHAPTER, "--users", "60", "--context", "8192", "--bandwidth", "1.5TB/s")
+    for key in ("weights_bytes", "kv_pool_bytes", "bytes_per_token", "scale_bytes_per_token", "num_blocks", "kv_tokens",
+                "users_per_context", "crossover_tokens", "step_time_s", "tokens_per_s", "tokens_per_s_per_user",
+                "kv_byte_share"):
+        assert key in out, key
+    assert list(out["users_per_context"]) == ["2048", "8192", "32768", "131072"]
+    assert all(isinstance(v, int) for v in out["users_per_context"].values())
+
+
+def test_chapter_numbers_through_the_cli():
+    out = plan(*CHAPTER, "--users", "60", "--context", "8192", "--bandwidth", "1.5TB/s")
+    assert round(out["weights_bytes"] / GiB, 2) == 14.96
+    assert round(out["kv_pool_bytes"] / GiB) == 62
+    assert abs(out["kv_tokens"] - 496_000) <= 0.03 * 496_000
+    for context, users in {"2048": 242, "8192": 60, "32768": 15, "131072": 3}.items():
+        assert abs(out["users_per_context"][context] - users) <= 0.05 * users
+    assert out["kv_bytes_per_step"] == 60 * GiB
+    assert abs(out["total_bytes_per_step"] / GiB - 75) < 0.5
+    assert abs(out["step_time_s"] - 0.054) < 0.001
+    assert abs(out["tokens_per_s"] - 1100) < 30 and abs(out["tokens_per_s_per_user"] - 18) < 1
+    assert round(out["kv_byte_share"], 2) == 0.80
+    assert abs(out["crossover_tokens"] - 122_000) < 1000 and round(out["crossover_conversations"]) == 15
+
+
+def test_vllm_public_example():
+    """vLLM 0.19: Llama-3.1-8B, H100 80 GB, utilization 0.95 -> 58.11 GiB, 476,016 tokens."""
+    given = plan("llama-3.1-8b", "--gpu", "h100-80gb", "--gpu-memory-utilization", "0.95", "--kv-cache-memory", "58.11GiB")
+    assert abs(given["kv_tokens"] - 476_016) <= 0.005 * 476_016
+    scratch = plan("llama-3.1-8b", "--gpu", "h100-80gb", "--gpu-memory-utilization", "0.95")
+    assert abs(scratch["kv_tokens"] - 476_016) <= 0.05 * 476_016
+
+
+def test_text_shows_every_term():
+    r = kvledger("plan", "llama-3.1-8b", "--gpu", "a100-80gb", "--kv-cache-dtype", "int8", "--max-model-len", "16384")
+    assert r.returncode == 0, r.stderr
+    for needle in ("x gpu-memory-utilization 0.9", "- weights", "- activation peak", "- non-torch memory",
+                   "- CUDA graphs", "= KV cache pool", "bytes per token (Eq 2.2, int8)", "65,536",
+                   "scale bytes per token", "2,048", "GPU KV cache size (tokens)", "crossover", "useful work?",
+                   "16,384"):
+        assert needle in r.stdout, needle
+
+
+def test_int8_plan_counts_scale_bytes():
+    out = plan("llama-3.1-8b", "--gpu", "a100-80gb", "--kv-cache-dtype", "int8")
+    assert out["bytes_per_token"] == 65_536 and out["scale_bytes_per_token"] == 2048
+    assert out["num_blocks"] == out["kv_pool_bytes"] // (16 * (65_536 + 2048))
+
+
+def test_max_model_len_row_and_vllm_error():
+    out = plan("llama-3.1-8b", "--gpu", "l4", "--max-model-len", "20000")
+    assert "20000" in out["users_per_context"]
+    assert out["max_concurrency"] == pytest.approx(out["num_blocks"] / 1250)  # vLLM's "Maximum concurrency" line
+    r = kvledger("plan", "llama-3.1-8b", "--gpu", "l4", "--max-model-len", "131072")
+    assert_one_line_error(r, "KV cache is needed, which is larger than the available KV cache memory",
+                          "the estimated maximum model length is")
+
+
+@pytest.mark.parametrize("args, needles", [
+    (("llama-3.1-8b", "--gpu", "a100-80"), ("unknown GPU", "a100-80gb")),
+    (("llama-3.1-8x", "--gpu", "a100-80gb"), ("unknown model", "llama-3.1-8b")),
+    (("llama-3.1-70b", "--gpu", "a100-80gb"), ("does not fit", "GiB", "--tensor-parallel-size 2 would fit")),
+    (("llama-3.1-8b", "--gpu", "a100-80gb", "--gpu-memory", "0"), ("must be positive",)),
+    (("llama-3.1-8b", "--gpu", "a100-80gb", "--overhead", "-3GiB"), ("--overhead",)),
+    (("llama-3.1-8b", "--gpu", "a100-80gb", "--kv-cache-memory", "0GiB"), ("--kv-cache-memory",)),
+    (("llama-3.1-8b", "--gpu", "a100-80gb", "--block-size", "0"), ("--block-size",)),
+    (("llama-3.1-8b", "--gpu", "a100-80gb", "--users", "4"), ("--users and --context",)),
+    (("llama-3.1-8b", "--gpu", "a100-80gb", "--bandwidth", "fast"), ("--bandwidth",)),
+    (("llama-3.1-8b", "--gpu", "a100-80gb", "--kv-cache-dtype", "fp8"), ("SM 8.9", "int8")),
+])
+def test_bad_input_is_one_line_exit_2(args, needles):
+    assert_one_line_error(kvledger("plan", *args), *needles)
+
+
+def test_plot_writes_a_png(tmp_path):
+    out = tmp_path / "plan.png"
+    r = kvledger("plan", "llama-3.1-8b", "--gpu", "a100-80gb", "--plot", str(out))
+    assert r.returncode == 0, r.stderr
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert_one_line_error(kvledger("plan", "llama-3.1-8b", "--gpu", "a100-80gb", "--plot", str(tmp_path / "x.pdf")),
+                          ".png")
+
+
+def test_plan_never_imports_torch():
+    code = ("import sys, io, contextlib\n"
+            "from kvledger.cli.main import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    rc = main(['plan', 'llama-3.1-8b', '--gpu', 'a100-80gb'])\n"
+            "    rc |= main(['advise', 'llama-3.1-8b', '--gpu', 'a100-80gb', '--prompt-tokens', '6144',\n"
+            "                '--output-tokens', '400', '--users', '40', '--target-users', '100'])\n"
+            "assert rc == 0, rc\n"
+            "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+            "print('TORCH' if loaded else 'NO-TORCH', loaded[:3])\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("NO-TORCH"), proc.stdout
