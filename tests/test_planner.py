@@ -172,10 +172,19 @@ def test_sliding_window_sequences_cost_less():
 
 # ------------------------------------------------------------------------------ properties
 @settings(max_examples=200, deadline=None)
-@given(pool=st.integers(0, 10**12), block=st.sampled_from([1, 8, 16, 32, 128]), token=st.integers(1, 10**6))
-def test_num_blocks_is_the_largest_count_that_fits(pool, block, token):
-    n = num_blocks(pool, block, token)
-    assert n * block * token <= max(pool, 0) < (n + 1) * block * token
+@given(pool=st.integers(0, 10**12), block=st.sampled_from([1, 8, 16, 32, 128]), layers=st.integers(1, 128),
+       kv_heads=st.integers(1, 16), head_dim=st.sampled_from([64, 80, 128, 256]),
+       dtype=st.sampled_from(["bfloat16", "float32", "int8", "fp8", "fp8_e5m2"]))
+def test_num_blocks_is_the_largest_count_that_fits(pool, block, layers, kv_heads, head_dim, dtype):
+    from kvledger.spec import ModelSpec, kv_bytes
+
+    spec = ModelSpec.from_config_dict({"num_hidden_layers": layers, "num_attention_heads": kv_heads,
+                                       "num_key_value_heads": kv_heads, "head_dim": head_dim, "hidden_size": 64})
+    kvb = kv_bytes(spec, dtype)
+    n = num_blocks(pool, block, kvb)
+    if n:
+        assert kvb.pool_bytes(n, block) <= pool
+    assert kvb.pool_bytes(n + 1, block) > pool
 
 
 @settings(max_examples=60, deadline=None)

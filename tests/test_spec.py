@@ -75,6 +75,15 @@ def test_int8_scales_are_their_own_line():
     kb = kv_bytes(load_model_spec("llama-3.1-8b"), "int8")
     assert kb.bytes_per_token == 65_536
     assert kb.scale_bytes_per_token == 2 * 32 * 8 * 4  # a float32 scale per token, per KV head, for K and V
+    assert kv_bytes(load_model_spec("llama-3.1-8b"), "int8", tokens=10, batch=3).total_scale_bytes == 30 * 2048
+
+
+def test_fp8_scales_are_per_layer_and_fixed():
+    kb = kv_bytes(load_model_spec("llama-3.1-8b"), "fp8", tokens=1000)
+    assert kb.bytes_per_token == 65_536 and kb.scale_bytes_per_token == 0
+    assert kb.scale_bytes_fixed == kb.total_scale_bytes == 2 * 32 * 4  # one k_scale and one v_scale per layer
+    assert kb.num_blocks(kb.pool_bytes(7, 16), 16) == 7
+    assert kb.num_blocks(kb.pool_bytes(7, 16) - 1, 16) == 6
 
 
 # ---------------------------------------------------------------- sliding windows

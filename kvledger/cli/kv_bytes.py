@@ -75,10 +75,15 @@ def run(args: argparse.Namespace) -> int:
     rows = [(f"bytes per token{tp}", f"{kb.bytes_per_token:,}", format_bytes(kb.bytes_per_token))]
     if kb.scale_bytes_per_token:
         rows.append((f"scale bytes per token{tp}", f"{kb.scale_bytes_per_token:,}", format_bytes(kb.scale_bytes_per_token)))
+    if kb.scale_bytes_fixed:
+        rows.append(("scale bytes, per-layer k/v scales", f"{kb.scale_bytes_fixed:,}", "fixed, not per token"))
     if kb.num_sliding_layers and kb.sliding_window and kb.tokens > kb.sliding_window:
         rows.append((f"sliding layers hold ({kb.num_sliding_layers} of {kb.num_layers})",
                      f"{kb.sliding_window:,} tokens", "the window, not T"))
     rows.append((f"total (B x T){tp}", f"{kb.total_bytes:,}", format_bytes(kb.total_bytes)))
+    if kb.total_scale_bytes:
+        with_scales = kb.total_bytes + kb.total_scale_bytes
+        rows.append((f"total with scales{tp}", f"{with_scales:,}", format_bytes(with_scales)))
     if kb.tensor_parallel_size > 1:
         rows.append(("total, all ranks", f"{kb.total_bytes_all_ranks:,}", format_bytes(kb.total_bytes_all_ranks)))
     print()

@@ -99,13 +99,10 @@ def default_overheads(spec: ModelSpec, tensor_parallel_size: int = 1,
     )
 
 
-def num_blocks(pool_bytes: int, block_size: int, token_bytes: int) -> int:
-    """Blocks of ``block_size`` tokens at ``token_bytes`` each (per rank, scales included)
-    that fit in ``pool_bytes``. The planner's only block arithmetic: the engine's block pool
-    sizes itself the same way, and this is the place to delegate to it."""
-    if pool_bytes <= 0:
-        return 0
-    return pool_bytes // (block_size * token_bytes)
+def num_blocks(pool_bytes: int, block_size: int, kvb: KVBytes) -> int:
+    """Blocks of ``block_size`` tokens that fit in ``pool_bytes`` (per rank, scales included):
+    :meth:`KVBytes.num_blocks`, the same arithmetic the engine sizes its block pool with."""
+    return kvb.num_blocks(pool_bytes, block_size) if pool_bytes > 0 else 0
 
 
 @dataclass(frozen=True)
@@ -201,8 +198,8 @@ def plan_memory(
         if pool <= 0:
             raise KVLedgerError(_does_not_fit(spec, gpu, weights, all_weights, terms.total, requested, tp,
                                               gpu_memory_utilization, weights_dtype))
-    token_bytes = kvb.bytes_per_token + kvb.scale_bytes_per_token
-    blocks = num_blocks(pool, block_size, token_bytes)
+    token_bytes = kvb.token_bytes
+    blocks = num_blocks(pool, block_size, kvb)
     if blocks == 0:
         raise KVLedgerError(f"the KV pool ({pool:,} bytes) holds not even one block of {block_size} tokens "
                             f"({block_size * token_bytes:,} bytes); give the cache more memory")

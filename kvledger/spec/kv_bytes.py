@@ -57,7 +57,26 @@ class KVBytes:
     """Per rank, for ``B`` sequences of ``T`` tokens, sliding layers capped at the window."""
     total_bytes_all_ranks: int
     scale_bytes_per_token: int
-    """Per rank: bytes of quantization scales per token (0 for 16/32-bit caches)."""
+    """Per rank: bytes of quantization scales per token (int8; 0 for 16/32-bit caches)."""
+    scale_bytes_fixed: int = 0
+    """Per rank: bytes of scales that do not grow with tokens (fp8's per-layer k_scale/v_scale)."""
+    total_scale_bytes: int = 0
+    """Per rank: every scale byte for ``B`` sequences of ``T`` tokens (per-token and fixed)."""
+
+    @property
+    def token_bytes(self) -> int:
+        """What one cached token costs on one rank: Eq 2.2's elements plus their scales."""
+        return self.bytes_per_token + self.scale_bytes_per_token
+
+    def num_blocks(self, pool_bytes: int, block_size: int) -> int:
+        """Blocks of ``block_size`` tokens that a pool of ``pool_bytes`` holds, scales included.
+        The one block arithmetic of the project: the planner and the engine both size with it."""
+        usable = pool_bytes - self.scale_bytes_fixed
+        return max(0, usable // (block_size * self.token_bytes))
+
+    def pool_bytes(self, num_blocks: int, block_size: int) -> int:
+        """Bytes of a pool of ``num_blocks`` blocks: what its tensors, scales included, must weigh."""
+        return num_blocks * block_size * self.token_bytes + self.scale_bytes_fixed
 
     @property
     def per_layer_token_bytes(self) -> int:
@@ -109,8 +128,11 @@ def kv_bytes(
     per_token = spec.num_layers * per_layer_token
     window = spec.sliding_window
     sliding_tokens = min(tokens, window) if window else tokens
-    total = batch * per_layer_token * (spec.num_full_layers * tokens + spec.num_sliding_layers * sliding_tokens)
+    total = per_layer_token * batch * (spec.num_full_layers * tokens + spec.num_sliding_layers * sliding_tokens)
     scale = _scale_bytes_per_token(dtype, factor, heads, spec.num_layers)
+    fixed = 2 * spec.num_layers * SCALE_BYTES if dtype.startswith("fp8") else 0
+    layer_token_slots = batch * (spec.num_full_layers * tokens + spec.num_sliding_layers * sliding_tokens)
+    total_scales = scale // spec.num_layers * layer_token_slots + fixed
     return KVBytes(
         model=spec.name,
         kv_cache_dtype=dtype,
@@ -129,12 +151,14 @@ def kv_bytes(
         total_bytes=total,
         total_bytes_all_ranks=total * tp,
         scale_bytes_per_token=scale,
+        scale_bytes_fixed=fixed,
+        total_scale_bytes=total_scales,
     )
 
 
 def _scale_bytes_per_token(dtype: str, kv_factor: int, kv_heads: int, num_layers: int) -> int:
     """int8 keeps a float32 scale per token, per KV head, for K and V in every layer; fp8 keeps
-    per-layer scales (a few bytes per layer, not per token), so it costs 0 per token."""
+    one K and one V scale per layer (``scale_bytes_fixed``), so it costs 0 per token."""
     if dtype == "int8":
         return kv_factor * kv_heads * num_layers * SCALE_BYTES
     return 0
