@@ -1,0 +1,98 @@
+"""Engine configuration with vLLM's flag names and meanings.
+
+Sizes: ``kv_cache_memory`` is bytes for the KV block pool (an int, or a string such as
+``"2GiB"``). When it is not given, CUDA takes 90% of the free device memory after the weights
+(vLLM's ``--gpu-memory-utilization`` default) and the CPU takes ``CPU_KV_CACHE_SHARE`` (10%)
+of the RAM available at start-up, at most ``CPU_KV_CACHE_MAX`` (4 GiB, vLLM's CPU default).
+Token counts (``max_model_len``, ``max_num_batched_tokens``, ``block_size``) are in tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvledger.errors import KVLedgerError
+
+CPU_KV_CACHE_SHARE = 0.10
+CPU_KV_CACHE_MAX = 4 * 1024**3
+GPU_MEMORY_UTILIZATION = 0.9
+
+
+@dataclass
+class EngineConfig:
+    """Everything that shapes an engine; field names are vLLM's engine arguments."""
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | str | None = None
+    kv_cache_dtype: str = "auto"
+    num_gpu_blocks_override: int | None = None
+    seed: int = 0
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise KVLedgerError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise KVLedgerError(f"--max-model-len must be a positive integer, got {self.max_model_len!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
+            raise KVLedgerError(f"--dtype {self.dtype!r} is not supported; use float32, bfloat16 or float16")
+        if self.kv_cache_memory is not None:
+            from kvledger.units import parse_size
+
+            self.kv_cache_memory = parse_size(self.kv_cache_memory, "--kv-cache-memory")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from keyword arguments, rejecting unknown names with the list of known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise KVLedgerError(f"unknown engine argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**kwargs)
+
+
+def add_engine_args(parser: Any) -> None:
+    """Add the engine flags (vLLM names) to an argparse parser; the server reuses this too."""
+    import argparse
+
+    from kvledger.cli.common import positive_int, size
+
+    g = parser.add_argument_group("engine (vLLM flag names)")
+    g.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF model directory")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and activations dtype (default float32)")
+    g.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda if present)")
+    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="max prompt + output tokens per request (default: the model's, capped by the pool)")
+    g.add_argument("--max-num-seqs", type=positive_int, default=256, help="max running requests (default 256)")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
+                   help="token budget per step; longer prompts are prefilled in chunks (default 2048)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share cached full blocks of identical prefixes (default on)")
+    g.add_argument("--kv-cache-memory", type=size, default=None, metavar="BYTES",
+                   help="bytes for the KV block pool, e.g. 512MiB (default: CPU 10%% of available RAM, at most "
+                        "4 GiB; CUDA 90%% of free memory)")
+    g.add_argument("--kv-cache-dtype", default="auto", help="KV cache element type (default auto = --dtype)")
+    g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None, metavar="N",
+                   help="exact number of KV blocks (overrides --kv-cache-memory)")
+
+
+def engine_config_from_args(args: Any) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+    )

@@ -1,0 +1,129 @@
+"""Per-request block tables on top of the :class:`BlockPool`, with prefix caching.
+
+``allocate_slots`` gives a request the blocks for its next tokens and registers every block
+that those tokens fill in the prefix cache right away: in a step, every layer writes all new
+K/V before any attention reads, so a request admitted in the same step may already share
+them. Only full blocks are hashed and shared; a request's last, partly filled block is its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvledger.engine.block_pool import BlockHash, BlockPool, hash_block
+from kvledger.engine.sequence import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    """vLLM's counting: ``queries`` = tokens of admitted requests, ``hits`` = of those found cached."""
+
+    queries: int = 0
+    hits: int = 0
+
+
+class KVCacheManager:
+    """Block tables, chained block hashes and allocation for the scheduler."""
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.block_tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self._num_cached: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def enable_caching(self) -> bool:
+        return self.pool.enable_caching
+
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
+        """Chained hashes of the request's first ``num_full_blocks`` full blocks (memoised)."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            tokens = request.token_ids_slice(i * bs, (i + 1) * bs)
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+        return hashes[:num_full_blocks]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of a request about to be admitted: (block ids, tokens they hold).
+
+        At least one token is always left to compute, so the hit covers at most
+        ``num_tokens - 1`` tokens, rounded down to whole blocks.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for block_hash in self._block_hashes(request, max_blocks):
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits, len(hits) * self.block_size
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
+        """Blocks for tokens up to ``num_computed_tokens (+ cached) + num_new_tokens``; False if the pool is short.
+
+        ``computed_blocks`` are prefix-cache hits of a request being admitted (its
+        ``num_computed_tokens`` already counts them). Nothing changes when it returns False.
+        """
+        computed_blocks = computed_blocks or []
+        table = self.block_tables.get(request.request_id, [])
+        total_tokens = request.num_computed_tokens + num_new_tokens
+        need = self.num_blocks_needed(total_tokens) - len(table) - len(computed_blocks)
+        # hits that are currently free leave the free queue when touched
+        free_hits = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
+        if need > self.pool.num_free_blocks - free_hits:
+            return False
+        if request.request_id not in self.block_tables:
+            self.block_tables[request.request_id] = table
+            self._num_cached[request.request_id] = 0
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            table.extend(computed_blocks)
+            self._num_cached[request.request_id] = len(computed_blocks)
+        if need > 0:
+            table.extend(self.pool.allocate(need))
+        self._cache_full_blocks(request, total_tokens)
+        return True
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        full = num_tokens // self.block_size
+        done = self._num_cached[rid]
+        if full <= done:
+            return
+        hashes = self._block_hashes(request, full)
+        table = self.block_tables[rid]
+        for i in range(done, full):
+            self.pool.cache(table[i], hashes[i])
+        self._num_cached[rid] = full
+
+    def record_admission(self, request: Request, num_hit_tokens: int) -> None:
+        """Count an admission in the prefix-cache stats (queries and hits in tokens)."""
+        if self.enable_caching:
+            self.stats.queries += request.num_tokens
+            self.stats.hits += num_hit_tokens
+
+    def free(self, request: Request) -> None:
+        """Return a request's blocks to the pool, tail first so shared prefixes are evicted last."""
+        table = self.block_tables.pop(request.request_id, [])
+        self.pool.free(reversed(table))
+        self._num_cached.pop(request.request_id, None)
+        if request.is_finished:
+            self._hashes.pop(request.request_id, None)
+
+    def forget(self, request_id: str) -> None:
+        """Drop memoised hashes of a request that left the engine."""
+        self._hashes.pop(request_id, None)
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity(self.block_tables)

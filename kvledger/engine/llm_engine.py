@@ -1,0 +1,302 @@
+"""``LLMEngine``: requests in, one step at a time, outputs and the KV ledger out.
+
+This is the seam a server drives from its event loop (one ``step()`` at a time, between
+awaits):
+
+* ``add_request(request_id, prompt_token_ids, sampling_params)`` queues a request, or raises
+  :class:`KVLedgerError` at once, with the numbers, if it could never fit (prompt + max_tokens
+  over ``max_model_len``, or more blocks than the whole pool);
+* ``abort_request(request_id)`` ends it and returns its blocks to the pool immediately;
+* ``step()`` schedules and runs one batch and returns a :class:`RequestOutput` for every
+  request that produced a token (``new_token_ids``, ``text_delta``, ``finished``,
+  ``finish_reason``); stop strings are applied here, the text cut before them as in vLLM;
+* ``has_unfinished_requests()`` and ``ledger()`` (live :class:`KVLedger` numbers).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvledger.engine.block_pool import BlockPool
+from kvledger.engine.config import CPU_KV_CACHE_MAX, CPU_KV_CACHE_SHARE, GPU_MEMORY_UTILIZATION, EngineConfig
+from kvledger.engine.kv_cache_manager import KVCacheManager
+from kvledger.engine.model_runner import ModelRunner
+from kvledger.engine.outputs import CompletionOutput, KVLedger, RequestOutput
+from kvledger.engine.sampler import sample
+from kvledger.engine.sampling_params import SamplingParams
+from kvledger.engine.scheduler import Scheduler
+from kvledger.engine.sequence import Request
+from kvledger.errors import KVLedgerError
+from kvledger.layers.quantized_kv import make_kv_cache
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def available_ram_bytes() -> int:
+    """``MemAvailable`` from /proc/meminfo, else total physical memory."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise KVLedgerError("--device cuda asked for but no CUDA device is available; use --device cpu")
+    return torch.device(name)
+
+
+class LLMEngine:
+    """Paged-KV inference engine: scheduler + block pool + model runner + detokenizer."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoTokenizer
+
+        from kvledger.loader.resolve import converted_dir, resolve_model
+        from kvledger.loader.safetensors import load_safetensors_state_dict, read_config
+        from kvledger.models.llama import LlamaForCausalLM
+        from kvledger.spec import ModelSpec, kv_bytes, resolve_kv_cache_dtype
+
+        self.config = config
+        self.device = _pick_device(config.device)
+        dtype_name = "float32" if config.dtype == "auto" else config.dtype
+        self.dtype = _TORCH_DTYPES[dtype_name]
+        checkpoint = resolve_model(config.model)
+        self.model_name = checkpoint.name
+        model_dir = converted_dir(checkpoint)
+        self.hf_config = read_config(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or model_dir))
+        self.eos_token_ids = self._eos_ids(model_dir)
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.hf_config)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        model.load_hf_state_dict(load_safetensors_state_dict(model_dir, self.dtype))
+        self.model = model.eval()
+
+        # Eq 2.2 for one token, from the model spec (pure Python), in the cache's dtype.
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype_name)
+        self.spec = ModelSpec.from_config_dict({**self.hf_config, "torch_dtype": dtype_name}, name=self.model_name)
+        self.kv_bytes = kv_bytes(self.spec, self.kv_cache_dtype)
+        self.bytes_per_token = self.kv_bytes.bytes_per_token
+        bs = config.block_size
+        num_blocks = config.num_gpu_blocks_override or self.kv_bytes.num_blocks(self._kv_cache_memory(), bs)
+        max_pos = int(self.hf_config.get("max_position_embeddings") or 2048)
+        if config.max_model_len is None:
+            self.max_model_len = min(max_pos, num_blocks * bs)
+        else:
+            self.max_model_len = config.max_model_len
+            if self.max_model_len > max_pos:
+                raise KVLedgerError(f"--max-model-len {self.max_model_len} exceeds the model's "
+                                    f"max_position_embeddings {max_pos}")
+        if num_blocks < 1 or num_blocks * bs < self.max_model_len:
+            raise KVLedgerError(
+                f"the KV pool holds {num_blocks} blocks x {bs} tokens = {num_blocks * bs} tokens "
+                f"({self.bytes_per_token} bytes/token) but --max-model-len is {self.max_model_len}; "
+                "give more --kv-cache-memory or a smaller --max-model-len")
+        self.cache = make_kv_cache(self.kv_cache_dtype, self.spec.num_layers, num_blocks, bs, self.spec.num_kv_heads,
+                                   self.spec.head_dim, self.dtype, self.device)
+        self.model.set_rope(self.max_model_len)
+        self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(self.pool, bs)
+        self.scheduler = Scheduler(config, self.kv_manager)
+        self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = 0
+        self.blocks_allocated_peak = 0
+        self.vocab_size = int(self.hf_config["vocab_size"])
+
+    # ---- set-up helpers -------------------------------------------------------------------
+    def _kv_cache_memory(self) -> int:
+        if self.config.kv_cache_memory is not None:
+            return int(self.config.kv_cache_memory)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * GPU_MEMORY_UTILIZATION)
+        return int(min(available_ram_bytes() * CPU_KV_CACHE_SHARE, CPU_KV_CACHE_MAX))
+
+    def _eos_ids(self, model_dir: Path) -> frozenset[int]:
+        ids: set[int] = set()
+        sources: list[Any] = [self.hf_config.get("eos_token_id"), self.tokenizer.eos_token_id]
+        gen = Path(model_dir) / "generation_config.json"
+        if gen.is_file():
+            sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+        for value in sources:
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(int(v) for v in value)
+        return frozenset(ids)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+                    prompt: str | None = None) -> None:
+        """Queue a request; raise KVLedgerError now if it is malformed or could never fit."""
+        sp = sampling_params or SamplingParams()
+        if request_id in self.requests:
+            raise KVLedgerError(f"request id {request_id!r} is already in the engine")
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise KVLedgerError("the prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise KVLedgerError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len - len(ids)
+        total = len(ids) + max_tokens
+        if max_tokens < 1 or total > self.max_model_len:
+            raise KVLedgerError(
+                f"prompt {len(ids)} tokens + max_tokens {max_tokens} = {total} exceeds --max-model-len "
+                f"{self.max_model_len}; shorten the prompt or lower max_tokens")
+        blocks = -(-total // self.block_size)
+        if blocks > self.num_blocks:
+            raise KVLedgerError(
+                f"request needs {blocks} KV blocks ({total} tokens / {self.block_size} per block) but the pool has "
+                f"{self.num_blocks}; give more --kv-cache-memory")
+        if sp.max_tokens is None:
+            sp = SamplingParams(**{**_params_kwargs(sp), "max_tokens": max_tokens})
+        request = Request(request_id, ids, sp, arrival=self._arrivals, prompt=prompt, arrival_time=time.perf_counter())
+        self._arrivals += 1
+        if sp.seed is not None:
+            request.generator = torch.Generator(device=self.device).manual_seed(sp.seed)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def abort_request(self, request_id: str) -> None:
+        """End a request now (finish_reason "abort"); its blocks return to the pool at once."""
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.finish(request, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one batch; outputs for every request that got a new token."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        samplers, logits = self.runner.execute(out, self.kv_manager.block_tables)
+        self.scheduler.update(out)
+        self.blocks_allocated_peak = max(self.blocks_allocated_peak, self.pool.num_blocks - self.pool.num_free_blocks)
+        requests = [s.request for s in samplers]
+        tokens = sample(logits, requests, self.eos_token_ids) if requests else []
+        now = time.perf_counter()
+        outputs = []
+        for request, token in zip(requests, tokens):
+            request.output_token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self._check_stop(request, token)
+            outputs.append(self._make_output(request))
+            if request.is_finished:
+                self.requests.pop(request.request_id, None)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> None:
+        sp = request.sampling_params
+        n_out = len(request.output_token_ids)
+        delta = self._detokenize(request)
+        if n_out >= sp.min_tokens:
+            if not sp.ignore_eos and token in self.eos_token_ids:
+                return self.scheduler.finish(request, "stop", None)
+            if token in sp.stop_token_ids:
+                return self.scheduler.finish(request, "stop", token)
+            if sp.stop_list and delta:
+                start = max(0, len(request.text) - len(delta) - max(len(s) for s in sp.stop_list) + 1)
+                hits = [(request.text.find(s, start), s) for s in sp.stop_list]
+                hits = [(i, s) for i, s in hits if i >= 0]
+                if hits:
+                    index, stop = min(hits)
+                    cut = index + len(stop) if sp.include_stop_str_in_output else index
+                    request.text = request.text[:cut]
+                    return self.scheduler.finish(request, "stop", stop)
+        if n_out >= sp.max_tokens or request.num_tokens >= self.max_model_len:
+            self.scheduler.finish(request, "length")
+
+    def _detokenize(self, request: Request) -> str:
+        """Append the text of the newest token (incremental, holding back incomplete UTF-8); returns it."""
+        ids = request.output_token_ids
+        skip = request.sampling_params.skip_special_tokens
+        prefix = self.tokenizer.decode(ids[request.prefix_offset:request.read_offset], skip_special_tokens=skip)
+        full = self.tokenizer.decode(ids[request.prefix_offset:], skip_special_tokens=skip)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix):]
+            request.prefix_offset, request.read_offset = request.read_offset, len(ids)
+            request.text += delta
+            return delta
+        return ""
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        sp = request.sampling_params
+        if request.is_finished:
+            visible = len(request.text)
+        else:  # hold back what could still become a stop string
+            holdback = max((len(s) for s in sp.stop_list), default=1) - 1
+            visible = max(request.emitted_text_len, len(request.text) - holdback)
+        delta = request.text[request.emitted_text_len:visible]
+        request.emitted_text_len = visible
+        new_ids = request.output_token_ids[request.emitted_tokens:]
+        request.emitted_tokens = len(request.output_token_ids)
+        completion = CompletionOutput(0, request.text[:visible], list(request.output_token_ids),
+                                      request.finish_reason, request.stop_reason)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
+                             request.is_finished, new_ids, delta, max(request.num_cached_tokens, 0),
+                             request.arrival_time, request.first_token_time)
+
+    # ---- the ledger -------------------------------------------------------------------------
+    def ledger(self) -> KVLedger:
+        """Live KV numbers: blocks vs tokens (waste), prefix-cache hits, preemptions, bytes (Eq 2.2 vs measured)."""
+        bs = self.block_size
+        fill: dict[int, int] = {}
+        for rid, table in self.kv_manager.block_tables.items():
+            computed = self.requests[rid].num_computed_tokens if rid in self.requests else 0
+            for i, block in enumerate(table):
+                fill[block] = max(fill.get(block, 0), min(bs, max(0, computed - i * bs)))
+        allocated = self.pool.num_blocks - self.pool.num_free_blocks
+        tokens_used = sum(fill.values())
+        stats = self.kv_manager.stats
+        return KVLedger(
+            num_blocks=self.num_blocks, block_size=bs, blocks_allocated=allocated,
+            blocks_allocated_peak=self.blocks_allocated_peak, blocks_cached_free=self.pool.num_cached_free_blocks,
+            tokens_used=tokens_used, waste_tokens=allocated * bs - tokens_used,
+            prefix_cache_queries=stats.queries, prefix_cache_hits=stats.hits,
+            num_preemptions=self.scheduler.num_preemptions, num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting), bytes_per_token=self.bytes_per_token,
+            predicted_bytes=self.kv_bytes.pool_bytes(self.num_blocks, bs), measured_bytes=self.cache.measured_bytes,
+            kv_cache_dtype=self.kv_cache_dtype, scale_bytes_per_token=self.kv_bytes.scale_bytes_per_token,
+            scale_bytes=self.kv_bytes.pool_bytes(self.num_blocks, bs) - self.bytes_per_token * self.num_blocks * bs,
+        )
+
+    def check_integrity(self) -> None:
+        """Assert the block pool is consistent with every request's block table."""
+        self.kv_manager.check_integrity()
+
+
+def _params_kwargs(sp: SamplingParams) -> dict[str, Any]:
+    from dataclasses import fields
+
+    return {f.name: getattr(sp, f.name) for f in fields(sp) if f.init}

@@ -1,0 +1,75 @@
+"""What the engine hands back: per-request outputs (vLLM's shape) and the KV ledger."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class CompletionOutput:
+    """One completion: all its text and token ids so far, and why it ended (None while running)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step. ``new_token_ids`` and ``text_delta`` are what this step added."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    new_token_ids: list[int] = field(default_factory=list)
+    text_delta: str = ""
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+@dataclass
+class KVLedger:
+    """Live numbers of the KV cache.
+
+    Blocks: ``num_blocks`` in the pool, ``blocks_allocated`` referenced by requests (free blocks
+    that only hold a cached prefix are counted in ``blocks_cached_free`` instead),
+    ``blocks_allocated_peak`` the most ever allocated at once. Tokens: ``tokens_used`` with K/V
+    in allocated blocks (a shared block counted once), ``waste_tokens`` the empty slots of
+    allocated blocks. Prefix cache: ``prefix_cache_queries`` and ``prefix_cache_hits`` in
+    tokens (vLLM's counting). Bytes: ``bytes_per_token`` from Eq 2.2 (elements only),
+    ``predicted_bytes`` = ``bytes_per_token * num_blocks * block_size`` plus ``scale_bytes``
+    (8-bit caches: ``scale_bytes_per_token`` per slot for int8, per-layer scales for fp8),
+    ``measured_bytes`` of the real cache tensors, scales included.
+    """
+
+    num_blocks: int
+    block_size: int
+    blocks_allocated: int
+    blocks_allocated_peak: int
+    blocks_cached_free: int
+    tokens_used: int
+    waste_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_running: int
+    num_waiting: int
+    bytes_per_token: int
+    predicted_bytes: int
+    measured_bytes: int
+    kv_cache_dtype: str = "float32"
+    scale_bytes_per_token: int = 0
+    scale_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

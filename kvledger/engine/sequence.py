@@ -1,0 +1,68 @@
+"""A request's life in the engine: its tokens, progress through the cache and stop state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvledger.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Prompt and output token ids, plus ``num_computed_tokens``: how many of them have K/V in the cache.
+
+    The next step computes tokens ``[num_computed_tokens, num_tokens)`` (or a chunk of them);
+    a token is sampled when that reaches ``num_tokens``. Preemption by recompute resets
+    ``num_computed_tokens`` to 0 and keeps the tokens, so the request resumes where it was.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival: int
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = -1  # prefix-cache hit of the first admission, in tokens
+    num_preemptions: int = 0
+    generator: Any = None  # torch.Generator when sampling_params.seed is set
+    # incremental detokenization state
+    text: str = ""
+    emitted_text_len: int = 0
+    prefix_offset: int = 0
+    read_offset: int = 0
+    emitted_tokens: int = 0
+    first_token_time: float | None = None
+    arrival_time: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output without building the whole list."""
+        n_prompt = len(self.prompt_token_ids)
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt:end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

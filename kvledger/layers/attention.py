@@ -1,0 +1,80 @@
+"""Attention over the paged KV cache, for a step that mixes decodes and prefill chunks.
+
+A step's tokens are flattened into one batch: first one token per decoding sequence, then
+the prefill chunks, each contiguous. Per layer every new K/V is written into the cache
+first (:meth:`KVCache.write`), then attention runs:
+
+* decodes: batched SDPA calls, queries ``[B, H, 1, d]`` against K/V gathered through the
+  block tables ``[B, H_kv, T, d]``, padding positions masked. Decodes come sorted by context
+  length and split into groups whose longest context is at most twice their shortest, so the
+  padding gathered never exceeds the useful K/V read;
+* a prefill chunk that starts at position 0: causal SDPA over its own fresh K/V;
+* a later chunk (chunked prefill, prefix-cache hit, recompute): SDPA over K/V gathered through
+  its block table with a causal mask offset by the tokens already in the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvledger.layers.paged_kv import KVCache
+
+
+@dataclass
+class PrefillChunk:
+    """Tokens ``[start, end)`` of the flat batch; ``num_computed`` tokens of the sequence are cached."""
+
+    start: int
+    end: int
+    num_computed: int
+    block_table: torch.Tensor  # [1, blocks covering num_computed + (end - start) tokens]
+    mask: torch.Tensor | None  # [1, 1, n, ctx] bool when num_computed > 0
+
+
+@dataclass
+class DecodeGroup:
+    """Decode tokens ``[start, end)`` of the flat batch, one per sequence, attended together."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # [B, blocks]
+    max_len: int  # tokens to gather per sequence (the group's longest context)
+    mask: torch.Tensor | None  # [B, 1, 1, max_len] bool, None when every context is max_len long
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's tokens go in the cache and what each attends to."""
+
+    slot_mapping: torch.Tensor  # [N] physical slot of every new token
+    decodes: list[DecodeGroup] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    meta: AttentionMetadata, cache: KVCache, scale: float) -> torch.Tensor:
+    """Attention output ``[N, H, d]`` for queries ``q`` ``[N, H, d]`` and new ``k``/``v`` ``[N, H_kv, d]``."""
+    cache.write(layer, k, v, meta.slot_mapping)
+    gqa = q.shape[1] != k.shape[1]
+    out = torch.empty_like(q)
+    for group in meta.decodes:
+        kd, vd = cache.gather(layer, group.block_tables, group.max_len)
+        qd = q[group.start:group.end].unsqueeze(2)  # [B, H, 1, d]
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale, enable_gqa=gqa)
+        out[group.start:group.end] = o.squeeze(2)
+    for chunk in meta.prefills:
+        qc = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
+        if chunk.num_computed == 0 and not cache.read_back_fresh:
+            kc = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+            vc = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:  # earlier tokens are in the cache (or read_back_fresh asks for a read-back)
+            ctx = chunk.num_computed + chunk.end - chunk.start
+            kc, vc = cache.gather(layer, chunk.block_table, ctx)
+            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                                               scale=scale, enable_gqa=gqa)
+        out[chunk.start:chunk.end] = o.squeeze(0).transpose(0, 1)
+    return out

@@ -1,0 +1,94 @@
+"""The paged KV cache: the only code that writes to or reads from the block pool tensors.
+
+Layout: one tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``
+(``2`` = K and V). Physical slot ``s`` of a layer is block ``s // block_size``, offset
+``s % block_size``. Its size is exactly Eq 2.2: ``2 * L * H_kv * d_h * s`` bytes per token
+times ``num_blocks * block_size`` tokens.
+
+Quantized storage (int8/fp8 with scales) belongs here alone: :meth:`KVCache.write` would
+quantize and :meth:`KVCache.gather` dequantize; callers never touch :attr:`KVCache.storage`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvledger.errors import KVLedgerError
+
+#: ``--kv-cache-dtype`` values this cache stores natively; ``auto`` means the model's dtype.
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of the cache for a ``--kv-cache-dtype`` value (``auto`` = the model dtype)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in _DTYPES:
+        raise KVLedgerError(
+            f"--kv-cache-dtype {kv_cache_dtype!r} is not supported by the engine yet; use auto, float32, bfloat16 or float16"
+        )
+    return _DTYPES[kv_cache_dtype]
+
+
+class KVCache:
+    """Per-layer K/V block pools and the two operations on them: write by slot, gather by block table."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 compute_dtype: torch.dtype | None = None) -> None:
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.compute_dtype = compute_dtype or dtype
+        self.read_back_fresh = False
+        """A prompt's first chunk attends over its own fresh K/V, unquantized, as vLLM's prefill
+        kernels do; later tokens read the cache. ``True`` reads every key and value back from
+        the cache, so each position sees exactly what a decode step would (kv-quality does)."""
+        # Zeros, not empty: padded gathers read unused slots, and 0 * NaN would poison attention.
+        self.storage = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
+                                   dtype=dtype, device=device)
+        self._flat = self.storage.view(num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim)
+
+    @property
+    def quantized(self) -> bool:
+        """True when the cache stores a narrower type than attention computes in (bf16 under an
+        fp32 model, int8, fp8)."""
+        return self.dtype != self.compute_dtype
+
+    @property
+    def measured_bytes(self) -> int:
+        """Bytes of the real cache tensors (all layers, K and V)."""
+        return self.storage.numel() * self.storage.element_size()
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store ``k``/``v`` (``[tokens, H_kv, d_h]``) at physical slots ``slot_mapping`` (``[tokens]``)."""
+        self._flat[layer, 0].index_copy_(0, slot_mapping, k.to(self.dtype))
+        self._flat[layer, 1].index_copy_(0, slot_mapping, v.to(self.dtype))
+
+    def gather(self, layer: int, block_tables: torch.Tensor, num_tokens: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V for the sequences of ``block_tables`` (``[B, blocks]``) as ``[B, H_kv, T, d_h]``.
+
+        ``T`` is ``blocks * block_size`` cut to ``num_tokens`` when given; positions past a
+        sequence's length hold stale data and must be masked by the caller. Values come back
+        in ``compute_dtype``.
+        """
+        k, v = self._gather_stored(layer, block_tables, num_tokens)
+        if self.dtype != self.compute_dtype:
+            k, v = k.to(self.compute_dtype), v.to(self.compute_dtype)
+        return k, v
+
+    def _gather_stored(self, layer: int, block_tables: torch.Tensor, num_tokens: int | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as stored, ``[B, H_kv, T, d_h]``."""
+        batch, blocks = block_tables.shape
+        pool = self.storage[layer]
+        k = pool[0][block_tables].view(batch, blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        v = pool[1][block_tables].view(batch, blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        if num_tokens is not None:
+            k, v = k[:, :num_tokens], v[:, :num_tokens]
+        return k.transpose(1, 2), v.transpose(1, 2)

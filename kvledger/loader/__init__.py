@@ -1,0 +1,1 @@
+"""Checkpoint loading: model resolution, GGUF and safetensors readers, the converted-checkpoint cache."""

@@ -1,0 +1,156 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over the paged KV cache.
+
+GQA, RMSNorm, SwiGLU, RoPE with its scaling variants, tied embeddings, Qwen2's q/k/v bias and
+Qwen3's per-head q/k RMSNorm. The q/k/v and gate/up projections are fused into one matmul each;
+the fused weights are the checkpoint's, concatenated. Sliding-window attention is not
+implemented (every token attends to its whole context).
+
+``forward`` takes a flat batch of tokens and returns logits only for ``logits_indices``:
+the tokens at which a new token is sampled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvledger.errors import KVLedgerError
+from kvledger.layers.activation import silu_and_mul
+from kvledger.layers.attention import AttentionMetadata, paged_attention
+from kvledger.layers.linear import linear
+from kvledger.layers.paged_kv import KVCache
+from kvledger.layers.rmsnorm import RMSNorm
+from kvledger.layers.rotary import RotaryEmbedding, apply_rotary
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class Attention(nn.Module):
+    def __init__(self, config: dict[str, Any], layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config["num_attention_heads"]
+        self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
+        self.head_dim = config.get("head_dim") or config["hidden_size"] // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(config.get("attention_bias", config["model_type"] == "qwen2"))
+        self.qkv_proj = nn.Linear(config["hidden_size"], self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config["hidden_size"], bias=False)
+        self.qk_norm = config["model_type"] == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
+            self.k_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVCache,
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        n, h = qkv.shape[0], self.num_heads
+        # queries and keys are rotated together as one [N, H + H_kv, d] view
+        qk = qkv[:, : self.q_size + self.kv_size].view(n, h + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+        qk = apply_rotary(qk, *cos_sin)
+        q, k = qk[:, :h], qk[:, h:]
+        o = paged_attention(self.layer, q, k, v, meta, cache, self.scale)
+        return linear(o.reshape(-1, self.q_size), self.o_proj.weight)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config["hidden_size"], 2 * config["intermediate_size"], bias=False)
+        self.down_proj = nn.Linear(config["intermediate_size"], config["hidden_size"], bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(silu_and_mul(linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: dict[str, Any], layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
+        self.mlp = MLP(config)
+
+    def forward(self, h, meta, cache, cos_sin):  # type: ignore[no-untyped-def]
+        h = h + self.self_attn(self.input_layernorm(h), meta, cache, cos_sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only transformer; ``forward`` is one engine step over the paged cache."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
+            raise KVLedgerError(
+                f"model_type {config.get('model_type')!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        self.config = config
+        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config["num_hidden_layers"]))
+        self.norm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
+        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+        self.rope: RotaryEmbedding | None = None
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                cache: KVCache, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Logits ``[len(logits_indices), vocab]`` (float32) for a flat batch ``input_ids`` ``[N]``."""
+        assert self.rope is not None, "call set_rope() before forward()"
+        h = self.embed_tokens(input_ids)
+        cos_sin = self.rope.cos_sin(positions)
+        for layer in self.layers:
+            h = layer(h, meta, cache, cos_sin)
+        h = self.norm(h[logits_indices])
+        return linear(h, self.lm_head_weight).float()
+
+    def set_rope(self, max_len: int) -> None:
+        """Precompute RoPE tables for positions ``[0, max_len)``."""
+        head_dim = self.layers[0].self_attn.head_dim
+        weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(self.config, head_dim, max_len, weight.dtype, weight.device)
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face parameter names, fusing q/k/v and gate/up; strict about what is missing."""
+        own = dict(self.named_parameters())
+        loaded: set[str] = set()
+
+        def put(name: str, tensor: torch.Tensor) -> None:
+            param = own[name]
+            if param.shape != tensor.shape:
+                raise KVLedgerError(f"checkpoint tensor for {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(name)
+
+        state = {k.removeprefix("model.") if not k.startswith("lm_head") else k: v for k, v in state.items()}
+        for i in range(len(self.layers)):
+            p = f"layers.{i}."
+            for kind in ("weight", "bias"):
+                parts = [state.get(f"{p}self_attn.{n}_proj.{kind}") for n in ("q", "k", "v")]
+                if all(t is not None for t in parts):
+                    put(f"{p}self_attn.qkv_proj.{kind}", torch.cat(parts, 0))
+            put(f"{p}mlp.gate_up_proj.weight", torch.cat([state[f"{p}mlp.gate_proj.weight"], state[f"{p}mlp.up_proj.weight"]], 0))
+            for n in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+                      "post_attention_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+                if f"{p}{n}" in own:
+                    put(f"{p}{n}", state[f"{p}{n}"])
+        put("embed_tokens.weight", state["embed_tokens.weight"])
+        put("norm.weight", state["norm.weight"])
+        if not self.tie_word_embeddings:
+            put("lm_head.weight", state["lm_head.weight"])
+        missing = set(own) - loaded
+        if missing:
+            raise KVLedgerError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

@@ -1,0 +1,40 @@
+"""``kvledger generate`` as a user runs it: streamed text, the ledger, --json, one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.cli_helpers import assert_one_line_error, kvledger
+
+pytestmark = pytest.mark.slow
+
+
+def test_generate_json_reports_text_tokens_and_kv_bytes():
+    result = kvledger("generate", "The capital of France is", "--max-tokens", "8", "--json",
+                      "--kv-cache-memory", "64MiB", "--ignore-eos")
+    assert result.returncode == 0, result.stderr
+    out = result.json()
+    assert len(out["token_ids"]) == 8 and out["finish_reason"] == "length"
+    assert "Paris" in out["text"]
+    kv = out["kv"]
+    for key in ("block_size", "num_blocks", "blocks_allocated_peak", "bytes_per_token", "predicted_bytes",
+                "measured_bytes"):
+        assert key in kv
+    assert kv["bytes_per_token"] == 46080
+    assert kv["predicted_bytes"] == kv["measured_bytes"] == 46080 * kv["num_blocks"] * kv["block_size"]
+    assert kv["blocks_allocated_peak"] == 1  # 5 prompt + 8 new tokens fit one 16-token block
+
+
+def test_generate_streams_text_then_prints_the_ledger():
+    result = kvledger("generate", "--model", "smollm2-135m", "--chat", "Say hello.", "--max-tokens", "12",
+                      "--kv-cache-memory", "64MiB", "--block-size", "32", "--seed", "1")
+    assert result.returncode == 0, result.stderr
+    assert "measured pool bytes" in result.stdout and "(equal)" in result.stdout
+    assert result.stdout.split("\n\n")[0].strip()  # generated text before the ledger
+
+
+def test_generate_bad_input_is_one_line():
+    assert_one_line_error(kvledger("generate", "hi", "--max-model-len", "100000"), "max-model-len")
+    assert_one_line_error(kvledger("generate", "hi", "--model", "/nonexistent/model"), "not found")
+    assert_one_line_error(kvledger("generate", "hi", "--max-tokens", "9000", "--kv-cache-memory", "64MiB"),
+                          "max-model-len")
