@@ -1,0 +1,157 @@
+"""Serving: ``kvledger serve`` beside ``transformers serve --continuous-batching``, same client, same run.
+
+Both servers run the default model (SmolLM2-135M-Instruct, float32, CPU, the same weights: the
+converted checkpoint kvledger caches) one after the other on loopback; the load client is
+``kvledger bench serve`` (vLLM's metric definitions). Workload: requests drawn with a fixed seed
+from the Azure conversation trace, lengths scaled, Poisson arrivals, greedy. transformers'
+server takes text prompts only and has no ``ignore_eos``, so both get the same text prompts
+(random token ids decoded) and stop at EOS or ``max_tokens``; token counts come from each
+server's usage or, failing that, from the tokenizer, as vLLM counts them.
+
+It prints the machine's ceilings (float32 matmul FLOP/s, copy bandwidth), both result tables
+and the ratios, and appends them to BENCHMARKS.md with ``--markdown``.
+
+    .venv/bin/python bench/bench_serve.py [--trace FILE] [--num-prompts 32] [--length-scale 0.125]
+        [--request-rate 1] [--markdown BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tabulate import tabulate
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure2023_conv.csv"
+BIN = Path(sys.executable).parent
+
+
+def ceilings() -> tuple[float, float]:
+    """(float32 matmul FLOP/s, copy bandwidth in bytes/s) of this machine, best of 3 (torch, as the engines)."""
+    import torch
+
+    a = torch.randn(1024, 1024)
+    best = min(_timed(lambda: a @ a) for _ in range(5))
+    src = torch.ones(64 * 2**20 // 4)
+    dst = torch.empty_like(src)
+    copy = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
+    return 2 * 1024**3 / best, 2 * src.numel() * 4 / copy
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 300) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not come up in {timeout} s")
+
+
+def run_against(cmd: list[str], url: str, cfg) -> tuple:
+    from kvledger.server.bench_serve import run_benchmark
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        wait_ready(proc, url)
+        cfg.base_url = url
+        return asyncio.run(run_benchmark(cfg))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main() -> int:
+    from kvledger.loader.resolve import converted_dir, resolve_model
+    from kvledger.server.bench_serve import BenchConfig, format_report
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trace", default=str(DEFAULT_TRACE))
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--length-scale", type=float, default=0.125)
+    p.add_argument("--request-rate", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--markdown", default=None, help="append the results to this file")
+    args = p.parse_args()
+
+    model_dir = str(converted_dir(resolve_model(None)))  # the HF-format copy kvledger makes of the GGUF
+    flops, bw = ceilings()
+
+    def config() -> BenchConfig:
+        return BenchConfig(base_url="", trace=args.trace, num_prompts=args.num_prompts,
+                           length_scale=args.length_scale, request_rate=args.request_rate, seed=args.seed,
+                           prompt_format="text", tokenizer=model_dir, ignore_eos=False)
+
+    port = free_port()
+    ours = run_against([str(BIN / "kvledger"), "serve", "--port", str(port), "--dtype", "float32",
+                        "--kv-cache-memory", "1GiB", "--max-model-len", "4096"], f"http://127.0.0.1:{port}", config())
+    port = free_port()
+    cfg = config()
+    cfg.model = model_dir
+    peer = run_against([str(BIN / "transformers"), "serve", model_dir, "--continuous-batching", "--device", "cpu",
+                        "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)],
+                       f"http://127.0.0.1:{port}", cfg)
+
+    (m_ours, info_ours), (m_peer, _) = ours, peer
+    rows = [
+        ("completed / failed", f"{m_ours.completed} / {m_ours.failed}", f"{m_peer.completed} / {m_peer.failed}", ""),
+        ("output tokens", m_ours.total_output, m_peer.total_output, ""),
+        ("output throughput (tok/s)", f"{m_ours.output_throughput:.2f}", f"{m_peer.output_throughput:.2f}",
+         f"{m_ours.output_throughput / m_peer.output_throughput:.2f}x"),
+        ("request throughput (req/s)", f"{m_ours.request_throughput:.3f}", f"{m_peer.request_throughput:.3f}",
+         f"{m_ours.request_throughput / m_peer.request_throughput:.2f}x"),
+    ]
+    for key, name in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")):
+        for stat in ("mean", "p50", "p99"):
+            a, b = m_ours.stats_ms[key][stat], m_peer.stats_ms[key][stat]
+            rows.append((f"{name} {stat} (ms)", f"{a:.1f}", f"{b:.1f}", f"{b / a:.2f}x faster" if a else ""))
+    head = ["", "kvledger serve", "transformers serve --continuous-batching", "kvledger vs peer"]
+    text = "\n".join([
+        f"Machine ceilings (torch, measured in this run): float32 matmul {flops / 1e9:.1f} GFLOP/s, "
+        f"copy bandwidth {bw / 1e9:.1f} GB/s.",
+        "",
+        format_report(m_ours, info_ours, tablefmt="github"),
+        "",
+        tabulate(rows, headers=head, tablefmt="github", disable_numparse=True),
+    ])
+    print(text)
+    if args.markdown:
+        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        cmd = " ".join(["bench/bench_serve.py"] + [a for a in sys.argv[1:]])
+        with open(args.markdown, "a") as f:
+            f.write(f"\nCommand: `.venv/bin/python {cmd}` ({stamp})\n\n{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""``kvledger serve``: the OpenAI-compatible server with metrics and the KV-ledger dashboard."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from kvledger.cli.common import positive_int, size
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from kvledger.engine.config import add_engine_args
+
+    p = subparsers.add_parser(
+        "serve", help="serve a model over OpenAI's API, with /metrics and a live /dashboard",
+        description="Serve a model over OpenAI's HTTP API (/v1/completions, /v1/chat/completions, /v1/models), "
+                    "with Prometheus metrics at /metrics and a live KV-ledger dashboard at /dashboard. "
+                    "Prints the URL once it accepts requests.")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    p.add_argument("--api-key", default=os.environ.get("KVLEDGER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVLEDGER_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None, help="model name clients send (default: the model's name)")
+    p.add_argument("--max-waiting-requests", type=positive_int, default=None,
+                   help="requests allowed to wait for the running batch; beyond it 503 + Retry-After "
+                        "(default 4 x --max-num-seqs)")
+    p.add_argument("--max-request-body-bytes", type=size, default="4MiB",
+                   help="largest request body accepted, e.g. 64KiB; beyond it 413 (default 4MiB)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="server log level (default warning)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvledger.engine.config import engine_config_from_args
+    from kvledger.engine.llm_engine import LLMEngine
+    from kvledger.errors import KVLedgerError
+    from kvledger.server.launcher import bind_socket, build_app, serve_async
+
+    if not 0 <= args.port <= 65535:
+        raise KVLedgerError(f"--port must be in 0..65535, got {args.port}")
+    sock = bind_socket(args.host, args.port)  # fail fast, before the model loads
+    engine = LLMEngine(engine_config_from_args(args))
+    app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
+                    max_waiting=args.max_waiting_requests, max_body_bytes=int(args.max_request_body_bytes))
+    name = app.state.config.served_model_names[0]
+    ledger = engine.ledger()
+
+    def ready(url: str) -> None:
+        print(f"kvledger serve: {name} on {url} (OpenAI API at {url}/v1, metrics at {url}/metrics, "
+              f"dashboard at {url}/dashboard); KV pool {ledger.num_blocks} blocks x {ledger.block_size} tokens, "
+              f"max-model-len {engine.max_model_len}", flush=True)
+
+    asyncio.run(serve_async(app, sock, ready, log_level=args.log_level))
+    return 0

@@ -1,0 +1,379 @@
+"""The HTTP face of the engine: OpenAI's API, Prometheus metrics and the ledger dashboard.
+
+``create_app(aengine, ...)`` builds a FastAPI app around one :class:`AsyncEngine`.
+
+Order of checks on ``/v1/*`` (each a one-line OpenAI error object naming the problem):
+API key (401) -> body size (413) -> JSON and fields (400) -> model name (404) ->
+a request larger than the whole KV pool (400, with the numbers) -> prompt + max_tokens
+against ``max_model_len`` (400, with the numbers) -> the engine's own admission check
+(400) -> the waiting queue (503 + ``Retry-After``). ``/metrics``, ``/health`` and ``/dashboard`` need no key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvledger.errors import KVLedgerError
+from kvledger.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from kvledger.server.errors import APIError, error_body, error_response
+from kvledger.server.metrics import ServerMetrics
+from kvledger.server.protocol import (
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+    ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage, ModelCard,
+    ModelList, UsageInfo, new_id, now, parse_request,
+)
+
+log = logging.getLogger("kvledger.server")
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # 4 MiB: far above a max-length prompt as JSON
+RETRY_AFTER_S = 1
+VENDOR_FILES = {"uPlot.iife.min.js": "application/javascript", "uPlot.min.css": "text/css",
+                "uPlot.LICENSE.txt": "text/plain"}
+
+
+@dataclass
+class ServerConfig:
+    """What the HTTP layer needs besides the engine. Sizes in bytes, lengths in tokens."""
+
+    served_model_names: list[str]
+    max_model_len: int
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    created: int = field(default_factory=now)
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """A streaming response that runs ``on_close`` however the stream ends (finished, client gone)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def sse(obj: Any) -> str:
+    data = obj.model_dump_json(exclude_none=False) if hasattr(obj, "model_dump_json") else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+class Serving:
+    """Request handling shared by the two generation endpoints."""
+
+    def __init__(self, aengine: AsyncEngine, config: ServerConfig) -> None:
+        self.aengine = aengine
+        self.engine = aengine.engine
+        self.tokenizer = aengine.engine.tokenizer
+        self.config = config
+
+    # --- checks ----------------------------------------------------------------------------
+
+    def check_auth(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            what = "missing" if not header else "invalid"
+            raise APIError(401, f"{what} API key: send 'Authorization: Bearer <key>' with the server's --api-key")
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body of {int(declared)} bytes exceeds the limit of {limit} bytes "
+                                "(--max-request-body-bytes)")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes (--max-request-body-bytes)")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def check_model(self, name: str) -> str:
+        if name not in self.config.served_model_names:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                                f"{', '.join(repr(n) for n in self.config.served_model_names)}", param="model")
+        return name
+
+    def check_length(self, num_prompt: int, max_tokens: int, what: str = "prompt") -> None:
+        limit = self.config.max_model_len
+        if num_prompt + max_tokens > limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; you requested "
+                                f"{num_prompt + max_tokens} tokens ({num_prompt} in the {what}, {max_tokens} for the "
+                                "completion); shorten the prompt or lower max_tokens", param="max_tokens")
+
+    def check_pool(self, num_prompt: int, max_tokens: int) -> None:
+        """A request that needs more blocks than the whole pool can never run: 400 now, not a hang."""
+        bs, total = self.engine.block_size, num_prompt + max_tokens
+        blocks = -(-total // bs)
+        if blocks > self.engine.num_blocks:
+            raise APIError(400, f"the request needs {blocks} KV blocks ({num_prompt} prompt + {max_tokens} completion "
+                                f"tokens, {bs} tokens per block) but the whole KV pool has {self.engine.num_blocks} "
+                                "blocks; lower max_tokens or shorten the prompt", param="max_tokens")
+
+    def check_fits(self, num_prompt: int, max_tokens: int, what: str = "prompt") -> None:
+        self.check_pool(num_prompt, max_tokens)
+        self.check_length(num_prompt, max_tokens, what)
+
+    def sampling_params(self, req: Any, max_tokens: int) -> Any:
+        from kvledger.engine.sampling_params import SamplingParams
+
+        try:
+            return SamplingParams(**req.sampling_kwargs(max_tokens))
+        except KVLedgerError as err:
+            raise APIError(400, str(err)) from None
+
+    async def submit(self, request_id: str, ids: list[int], params: Any) -> RequestStream:
+        try:
+            return await self.aengine.add(request_id, ids, params)
+        except KVLedgerError as err:
+            raise APIError(400, str(err)) from None
+        except QueueFullError as err:
+            raise APIError(503, f"the server is overloaded: {err}",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineDeadError as err:
+            raise APIError(500, str(err)) from None
+
+    # --- collecting without streaming ---------------------------------------------------------
+
+    async def collect(self, stream: RequestStream, request: Request) -> tuple[str, int, str] | None:
+        """All the text of a request; None (and the request aborted) if the client disconnects first."""
+        parts: list[str] = []
+        result: dict[str, Any] = {"n": 0, "reason": "stop"}
+
+        async def consume() -> None:
+            async for d in stream:
+                parts.append(d.text)
+                result["n"] = d.num_output_tokens
+                if d.finished:
+                    result["reason"] = d.finish_reason or "stop"
+
+        consumer = asyncio.create_task(consume())
+        watcher = asyncio.create_task(_wait_disconnect(request))
+        try:
+            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not consumer.done():
+                consumer.cancel()
+                self.aengine.abort(stream.request_id)
+        if consumer.cancelled():
+            return None  # the client is gone; nobody reads the answer
+        try:
+            consumer.result()
+        except EngineDeadError as err:
+            raise APIError(500, str(err)) from None
+        return "".join(parts), result["n"], result["reason"]
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _usage(num_prompt: int, num_output: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_output, total_tokens=num_prompt + num_output)
+
+
+def _error_event(err: Exception) -> str:
+    return f"data: {json.dumps(error_body(500, str(err)))}\n\n"
+
+
+def create_app(aengine: AsyncEngine, config: ServerConfig) -> FastAPI:
+    """The FastAPI app; the engine loop starts and stops with it."""
+    metrics = ServerMetrics(aengine.snapshot, config.served_model_names[0])
+    aengine.metrics = metrics
+    serving = Serving(aengine, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        aengine.start()
+        yield
+        await aengine.stop()
+
+    app = FastAPI(title="kvledger", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.aengine = aengine
+    app.state.metrics = metrics
+    app.state.config = config
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError) -> JSONResponse:
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _query_error(request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0]
+        name = str(first["loc"][-1]) if first.get("loc") else None
+        message = f"invalid value for '{name}': {first.get('msg', 'invalid')}"
+        return JSONResponse(error_body(400, message, name), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {err.detail}"
+        return JSONResponse(error_body(err.status_code, message), status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, err: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(error_body(500, f"internal error: {type(err).__name__}"), status_code=500)
+
+    # --- plain endpoints ----------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not aengine.is_running:
+            return JSONResponse(error_body(503, "the engine loop is not running"), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> ModelList:
+        serving.check_auth(request)
+        return ModelList(data=[ModelCard(id=name, created=config.created, root=aengine.engine.model_name,
+                                         max_model_len=config.max_model_len)
+                               for name in config.served_model_names])
+
+    @app.get("/dashboard", response_class=HTMLResponse)
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(_static("dashboard.html"))
+
+    @app.get("/dashboard/ledger.json")
+    async def ledger_json(since: float = 0.0) -> JSONResponse:
+        snap = aengine.snapshot()
+        samples = [s for s in aengine.history if s["t"] > since]
+        return JSONResponse({"model": config.served_model_names[0], "num_blocks": snap["num_blocks"],
+                             "block_size": snap["block_size"], "bytes_per_token": snap["bytes_per_token"],
+                             "max_model_len": config.max_model_len, "latest": snap, "samples": samples})
+
+    @app.get("/dashboard/vendor/{name}")
+    async def vendor(name: str) -> Response:
+        if name not in VENDOR_FILES:
+            raise APIError(404, f"no such file: {name}")
+        return Response(_static("vendor/" + name), media_type=VENDOR_FILES[name])
+
+    # --- generation ---------------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        serving.check_auth(request)
+        req: CompletionRequest = parse_request(CompletionRequest, await serving.read_body(request))
+        model = serving.check_model(req.model)
+        prompt = req.single_prompt()
+        ids = serving.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise APIError(400, "the prompt is empty after tokenization", param="prompt")
+        max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        serving.check_fits(len(ids), max_tokens)
+        params = serving.sampling_params(req, max_tokens)
+        rid = new_id("cmpl")
+        stream = await serving.submit(rid, ids, params)
+        created = now()
+
+        if req.stream:
+            async def events() -> AsyncIterator[str]:
+                n_out = 0
+                try:
+                    async for d in stream:
+                        n_out = d.num_output_tokens
+                        if d.text or d.finished:
+                            yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[
+                                CompletionChoice(text=d.text, finish_reason=d.finish_reason)]))
+                except EngineDeadError as err:
+                    yield _error_event(err)
+                if req.include_usage:
+                    yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[],
+                                                 usage=_usage(len(ids), n_out)))
+                yield "data: [DONE]\n\n"
+
+            return EngineStreamingResponse(events(), lambda: aengine.abort(rid))
+
+        collected = await serving.collect(stream, request)
+        if collected is None:
+            return Response(status_code=499)  # client closed the connection; nothing is sent
+        text, n_out, reason = collected
+        return JSONResponse(CompletionResponse(
+            id=rid, created=created, model=model, choices=[CompletionChoice(text=text, finish_reason=reason)],
+            usage=_usage(len(ids), n_out)).model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        serving.check_auth(request)
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await serving.read_body(request))
+        model = serving.check_model(req.model)
+        try:
+            text = serving.tokenizer.apply_chat_template(req.conversation(), tokenize=False,
+                                                         add_generation_prompt=req.add_generation_prompt)
+        except Exception as err:  # the template rejected the conversation (e.g. roles out of order)
+            raise APIError(400, f"the chat template rejected the messages: {err}", param="messages") from None
+        ids = serving.tokenizer.encode(text, add_special_tokens=False)
+        # OpenAI's default: as many tokens as the context has room for (at least one)
+        max_tokens = req.max_tokens if req.max_tokens is not None else max(1, config.max_model_len - len(ids))
+        serving.check_fits(len(ids), max_tokens, what="messages")
+        params = serving.sampling_params(req, max_tokens)
+        rid = new_id("chatcmpl")
+        stream = await serving.submit(rid, ids, params)
+        created = now()
+
+        if req.stream:
+            def chunk(delta: DeltaMessage, reason: str | None = None) -> str:
+                return sse(ChatCompletionChunk(id=rid, created=created, model=model,
+                                               choices=[ChatChunkChoice(delta=delta, finish_reason=reason)]))
+
+            async def events() -> AsyncIterator[str]:
+                n_out = 0
+                yield chunk(DeltaMessage(role="assistant", content=""))
+                try:
+                    async for d in stream:
+                        n_out = d.num_output_tokens
+                        if d.text:
+                            yield chunk(DeltaMessage(content=d.text))
+                        if d.finished:
+                            yield chunk(DeltaMessage(), d.finish_reason)
+                except EngineDeadError as err:
+                    yield _error_event(err)
+                if req.include_usage:
+                    yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+                                                  usage=_usage(len(ids), n_out)))
+                yield "data: [DONE]\n\n"
+
+            return EngineStreamingResponse(events(), lambda: aengine.abort(rid))
+
+        collected = await serving.collect(stream, request)
+        if collected is None:
+            return Response(status_code=499)  # client closed the connection; nothing is sent
+        text, n_out, reason = collected
+        return JSONResponse(ChatCompletionResponse(
+            id=rid, created=created, model=model,
+            choices=[ChatChoice(message=ChatResponseMessage(content=text), finish_reason=reason)],
+            usage=_usage(len(ids), n_out)).model_dump())
+
+    return app
+
+
+def _static(name: str) -> bytes:
+    return resources.files("kvledger.server").joinpath("static", name).read_bytes()

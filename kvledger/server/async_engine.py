@@ -1,0 +1,307 @@
+"""One engine loop for the whole server: continuous batching across clients.
+
+The engine (:class:`kvledger.engine.llm_engine.LLMEngine`) is synchronous and owned by a
+single asyncio task. Between steps that task applies what handlers asked for (new requests,
+aborts); each ``step()`` runs in a worker thread so the event loop keeps serving sockets
+while the model computes. Every running request, from every client, advances in the same
+step. Outputs go to one ``asyncio.Queue`` per request.
+
+Requests leave the engine the moment they finish, or at the next step boundary once their
+client is gone (``abort``), so their KV blocks return to the pool at once. Admission is
+bounded: when ``max_waiting`` requests already wait, ``add`` raises :class:`QueueFullError`
+(the server answers 503 with ``Retry-After``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from kvledger.errors import KVLedgerError
+
+log = logging.getLogger("kvledger.server")
+
+HISTORY_INTERVAL_S = 0.25  # dashboard samples at most this often (seconds)
+HISTORY_LEN = 4800  # samples kept for the dashboard (20 min at one per 0.25 s)
+
+
+class QueueFullError(Exception):
+    """The waiting queue is full; try again later."""
+
+
+class EngineDeadError(Exception):
+    """The engine loop failed; the request could not complete."""
+
+
+@dataclass
+class Delta:
+    """What one engine step added to a request: text, token ids, and whether it ended."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_output_tokens: int = 0  # total generated so far
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """The server side of one request: its queue of :class:`Delta` and its timings (perf_counter s)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    arrival: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    first_token: float | None = None
+    last_token: float | None = None
+    num_output_tokens: int = 0
+    finished: bool = False
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[Delta]:
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+
+@dataclass
+class _PendingAdd:
+    stream: RequestStream
+    prompt_token_ids: list[int]
+    sampling_params: Any
+    done: asyncio.Future
+
+
+class AsyncEngine:
+    """Drives one synchronous engine from asyncio; see the module docstring."""
+
+    def __init__(self, engine: Any, *, max_waiting: int = 1024) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.metrics: Any = None  # a ServerMetrics, attached by the app
+        self._streams: dict[str, RequestStream] = {}
+        self._pending_adds: list[_PendingAdd] = []
+        self._pending_aborts: set[str] = set()
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._ticker: asyncio.Task | None = None
+        self._snapshot: dict[str, Any] = {}
+        self._added_since_snapshot = 0  # handed to the engine, not yet in a ledger snapshot (count as waiting)
+        self._last_sample = 0.0
+        self.history: collections.deque = collections.deque(maxlen=HISTORY_LEN)
+        self.num_steps = 0
+        self._take_snapshot(force_sample=True)
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the loop on the running event loop (call from the server's startup)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="kvledger-engine-loop")
+            self._ticker = asyncio.create_task(self._tick(), name="kvledger-ledger-ticker")
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def stop(self) -> None:
+        for task in (self._task, self._ticker):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+        self._task = self._ticker = None
+        for stream in list(self._streams.values()):
+            stream.queue.put_nowait(EngineDeadError("the server is shutting down"))
+
+    # --- what handlers call --------------------------------------------------------------
+
+    def num_waiting(self) -> int:
+        """Requests waiting for a place in the running batch, plus those not yet handed over."""
+        return int(self._snapshot.get("engine_num_waiting", 0)) + self._added_since_snapshot + len(self._pending_adds)
+
+    async def add(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any) -> RequestStream:
+        """Queue a request for the next step; returns its stream once the engine accepted it.
+
+        Raises :class:`QueueFullError` when ``max_waiting`` requests already wait, and the
+        engine's :class:`KVLedgerError` (with the numbers) when the request can never fit.
+        """
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        if self.num_waiting() >= self.max_waiting:
+            raise QueueFullError(f"{self.num_waiting()} requests are already waiting "
+                                 f"(--max-waiting-requests {self.max_waiting}); retry later")
+        stream = RequestStream(request_id, len(prompt_token_ids), time.perf_counter())
+        done = asyncio.get_running_loop().create_future()
+        self._pending_adds.append(_PendingAdd(stream, prompt_token_ids, sampling_params, done))
+        self._wake.set()
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort at the next step boundary (no-op if the request already finished)."""
+        if request_id in self._streams or any(p.stream.request_id == request_id for p in self._pending_adds):
+            self._pending_aborts.add(request_id)
+            self._wake.set()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The ledger after the latest step (a dict of KVLedger fields, ``num_waiting`` included)."""
+        snap = dict(self._snapshot)
+        snap["num_waiting"] = self.num_waiting()
+        return snap
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(engine)`` between steps, when nothing else touches the engine."""
+        async with self._lock:
+            return fn(self.engine)
+
+    def hold(self) -> asyncio.Lock:
+        """``async with aengine.hold():`` no step runs inside the block (a consistent view)."""
+        return self._lock
+
+    # --- the loop ------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            try:
+                async with self._lock:
+                    await self._iteration()
+            except Exception as err:  # a bug: fail the requests in flight, keep serving the next ones
+                log.exception("engine step failed")
+                self._fail_all(err)
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0)  # let handlers run between steps
+
+    async def _iteration(self) -> None:
+        """Apply adds and aborts, run one step in a worker thread, hand out its outputs."""
+        self._apply_pending()
+        if self.engine.has_unfinished_requests():
+            outputs = await asyncio.to_thread(self.engine.step)
+            self.num_steps += 1
+            self._dispatch(outputs)
+        self._take_snapshot()
+        if not (self._pending_adds or self._pending_aborts or self.engine.has_unfinished_requests()):
+            self._wake.clear()
+
+    async def _tick(self) -> None:
+        """Keep the dashboard's history moving while the engine is idle."""
+        while True:
+            await asyncio.sleep(HISTORY_INTERVAL_S)
+            if time.time() - self._last_sample >= HISTORY_INTERVAL_S:
+                self._sample(time.time())
+
+    def _apply_pending(self) -> None:
+        aborts, self._pending_aborts = self._pending_aborts, set()
+        adds, self._pending_adds = self._pending_adds, []
+        for rid in aborts:
+            if rid in self._streams:
+                self.engine.abort_request(rid)
+                del self._streams[rid]
+                if self.metrics is not None:
+                    self.metrics.request_finished("abort")
+        for p in adds:
+            rid = p.stream.request_id
+            if rid in aborts or p.done.cancelled():
+                if not p.done.done():
+                    p.done.cancel()
+                continue
+            try:
+                self.engine.add_request(rid, p.prompt_token_ids, p.sampling_params)
+            except KVLedgerError as err:
+                p.done.set_exception(err)
+                continue
+            except Exception as err:  # a bug: report it to this request only
+                log.exception("add_request failed")
+                p.done.set_exception(EngineDeadError(f"the engine could not take the request: {err}"))
+                continue
+            self._streams[rid] = p.stream
+            self._added_since_snapshot += 1
+            p.done.set_result(None)
+
+    def _dispatch(self, outputs: list[Any]) -> None:
+        now = time.perf_counter()
+        m = self.metrics
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            new_ids = list(out.new_token_ids)
+            if not new_ids and not out.finished:
+                continue  # a prefill chunk: nothing to send yet
+            if new_ids:
+                if stream.first_token is None:
+                    stream.first_token = now
+                    if m is not None:
+                        m.ttft.observe(now - stream.arrival)
+                elif m is not None:
+                    m.itl.observe(now - stream.last_token)
+                stream.last_token = now
+                stream.num_output_tokens += len(new_ids)
+            delta = Delta(out.text_delta, new_ids, out.finished, out.finish_reason if out.finished else None,
+                          stream.num_output_tokens)
+            if out.finished:
+                stream.finished = True
+                del self._streams[out.request_id]
+                if m is not None:
+                    m.e2e.observe(now - stream.arrival)
+                    m.prompt_tokens.inc(stream.num_prompt_tokens)
+                    m.generation_tokens.inc(stream.num_output_tokens)
+                    m.request_finished(out.finish_reason or "stop")
+            stream.queue.put_nowait(delta)
+
+    def _fail_all(self, err: Exception) -> None:
+        for rid, stream in list(self._streams.items()):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                log.exception("abort after a failed step")
+            stream.queue.put_nowait(EngineDeadError(f"the engine failed: {type(err).__name__}: {err}"))
+        self._streams.clear()
+        for p in self._pending_adds:
+            if not p.done.done():
+                p.done.set_exception(EngineDeadError(f"the engine failed: {type(err).__name__}: {err}"))
+        self._pending_adds.clear()
+        self._pending_aborts.clear()
+
+    def _take_snapshot(self, force_sample: bool = False) -> None:
+        snap = self.engine.ledger().to_dict()
+        snap["engine_num_waiting"] = snap["num_waiting"]
+        self._snapshot = snap
+        self._added_since_snapshot = 0
+        now = time.time()
+        if force_sample or now - self._last_sample >= HISTORY_INTERVAL_S:
+            self._sample(now)
+
+    def _sample(self, now: float) -> None:
+        s = self.snapshot()
+        self.history.append({
+            "t": round(now, 3),
+            "blocks_allocated": s["blocks_allocated"],
+            "blocks_cached_free": s["blocks_cached_free"],
+            "tokens_used": s["tokens_used"],
+            "waste_tokens": s["waste_tokens"],
+            "prefix_cache_queries": s["prefix_cache_queries"],
+            "prefix_cache_hits": s["prefix_cache_hits"],
+            "num_running": s["num_running"],
+            "num_waiting": s["num_waiting"],
+            "num_preemptions": s["num_preemptions"],
+        })
+        self._last_sample = now

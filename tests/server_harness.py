@@ -1,0 +1,118 @@
+"""Shared pieces of the server tests: one real server per test run, and offline references.
+
+``shared_server()`` starts the real app (real engine, real model, uvicorn on a free loopback
+port) in a background thread of the test process, once; every server test file uses the same
+one, so the model loads once. ``reference_llm()`` is a separate offline :class:`LLM` with the same
+engine arguments, whose greedy output the server must reproduce token for token.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# A pool of 192 MiB (~270 blocks of 16 tokens for SmolLM2-135M in fp32) holds 100+ short requests at once.
+ENGINE_ARGS = dict(model="smollm2-135m", dtype="float32", kv_cache_memory="192MiB", max_model_len=1024)
+MODEL = "smollm2-135m"
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at",
+    "The capital of France is a city that",  # shares a prefix with the first
+    "1, 2, 3, 4,",
+    "Q: What is the largest planet?\nA:",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime number."}],
+]
+
+
+@functools.cache
+def shared_server():
+    """The test run's server (a :class:`BackgroundServer`), started on first use."""
+    from kvledger.engine.config import EngineConfig
+    from kvledger.engine.llm_engine import LLMEngine
+    from kvledger.server.launcher import BackgroundServer, build_app
+
+    engine = LLMEngine(EngineConfig(**ENGINE_ARGS))
+    server = BackgroundServer(build_app(engine)).start()
+    atexit.register(server.stop)
+    return server
+
+
+@functools.cache
+def reference_llm():
+    from kvledger import LLM
+
+    return LLM(**ENGINE_ARGS)
+
+
+_GREEDY: dict[tuple[str, int], str] = {}
+
+
+def greedy_references(prompts: list[str], max_tokens: int) -> dict[str, str]:
+    """Offline greedy texts of completion prompts (computed in one batch, cached)."""
+    from kvledger import SamplingParams
+
+    todo = [p for p in dict.fromkeys(prompts) if (p, max_tokens) not in _GREEDY]
+    if todo:
+        outs = reference_llm().generate(todo, SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)
+        for p, out in zip(todo, outs):
+            _GREEDY[(p, max_tokens)] = out.outputs[0].text
+    return {p: _GREEDY[(p, max_tokens)] for p in prompts}
+
+
+def greedy_reference(prompt: str, max_tokens: int) -> str:
+    """Offline greedy text of one completion prompt."""
+    return greedy_references([prompt], max_tokens)[prompt]
+
+
+def greedy_chat_reference(messages: list[dict], max_tokens: int) -> str:
+    from kvledger import SamplingParams
+
+    out = reference_llm().chat(messages, SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)
+    return out[0].outputs[0].text
+
+
+def openai_client(server, api_key: str = "unused", **kwargs):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=120, **kwargs)
+
+
+def async_openai_client(server, api_key: str = "unused", **kwargs):
+    import openai
+
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=300, **kwargs)
+
+
+def wait_idle(server, timeout: float = 60.0) -> dict:
+    """Wait until no request runs or waits; returns the engine's ledger as a dict, taken between steps."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ledger = server.run(server.aengine.call(lambda e: e.ledger().to_dict()))
+        if ledger["num_running"] == 0 and ledger["num_waiting"] == 0 and server.aengine.num_waiting() == 0:
+            return ledger
+        time.sleep(0.05)
+    raise AssertionError(f"the server did not become idle in {timeout} s: {ledger}")
+
+
+def check_integrity(server) -> None:
+    server.run(server.aengine.call(lambda e: e.check_integrity()))
+
+
+def ledger_history(server) -> list[dict]:
+    """The dashboard's samples, copied on the server's loop (which appends to them)."""
+
+    async def copy():
+        return list(server.aengine.history)
+
+    return server.run(copy())
