@@ -132,8 +132,8 @@ def test_max_model_len_error_mirrors_vllm(llama):
 # ------------------------------------------------------------------------------ quantized caches and TP
 def test_int8_capacity_counts_scales(llama):
     bf16, int8 = chapter_wall(llama), chapter_wall(llama, kv_cache_dtype="int8")
-    assert int8.bytes_per_token == 65_536 and int8.scale_bytes_per_token == 2048
-    assert int8.num_blocks == int8.kv_pool_bytes // (16 * (65_536 + 2048))
+    assert int8.bytes_per_token == 65_536 and int8.scale_bytes_per_token == 1024
+    assert int8.num_blocks == int8.kv_pool_bytes // (16 * (65_536 + 1024))
     assert 1.9 <= int8.num_blocks / bf16.num_blocks < 2
 
 

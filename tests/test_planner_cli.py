@@ -59,15 +59,15 @@ def test_text_shows_every_term():
     assert r.returncode == 0, r.stderr
     for needle in ("x gpu-memory-utilization 0.9", "- weights", "- activation peak", "- non-torch memory",
                    "- CUDA graphs", "= KV cache pool", "bytes per token (Eq 2.2, int8)", "65,536",
-                   "scale bytes per token", "2,048", "GPU KV cache size (tokens)", "crossover", "useful work?",
+                   "scale bytes per token", "1,024", "GPU KV cache size (tokens)", "crossover", "useful work?",
                    "16,384"):
         assert needle in r.stdout, needle
 
 
 def test_int8_plan_counts_scale_bytes():
     out = plan("llama-3.1-8b", "--gpu", "a100-80gb", "--kv-cache-dtype", "int8")
-    assert out["bytes_per_token"] == 65_536 and out["scale_bytes_per_token"] == 2048
-    assert out["num_blocks"] == out["kv_pool_bytes"] // (16 * (65_536 + 2048))
+    assert out["bytes_per_token"] == 65_536 and out["scale_bytes_per_token"] == 1024
+    assert out["num_blocks"] == out["kv_pool_bytes"] // (16 * (65_536 + 1024))
 
 
 def test_max_model_len_row_and_vllm_error():

@@ -74,8 +74,8 @@ def test_kv_cache_dtypes(dtype, s):
 def test_int8_scales_are_their_own_line():
     kb = kv_bytes(load_model_spec("llama-3.1-8b"), "int8")
     assert kb.bytes_per_token == 65_536
-    assert kb.scale_bytes_per_token == 2 * 32 * 8 * 4  # a float32 scale per token, per KV head, for K and V
-    assert kv_bytes(load_model_spec("llama-3.1-8b"), "int8", tokens=10, batch=3).total_scale_bytes == 30 * 2048
+    assert kb.scale_bytes_per_token == 2 * 32 * 8 * 2  # a float16 scale per token, per KV head, for K and V
+    assert kv_bytes(load_model_spec("llama-3.1-8b"), "int8", tokens=10, batch=3).total_scale_bytes == 30 * 1024
 
 
 def test_fp8_scales_are_per_layer_and_fixed():

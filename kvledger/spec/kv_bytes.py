@@ -22,9 +22,10 @@ from kvledger.errors import KVLedgerError
 from kvledger.spec.dtypes import KV_CACHE_DTYPE_BYTES, resolve_kv_cache_dtype
 from kvledger.spec.model_spec import ModelSpec
 
-# Bytes of one scale (float32) and how many a token holds per layer, per 8-bit kind:
-# int8 keeps one scale per token, per KV head, for K and for V.
-SCALE_BYTES = 4
+# Bytes of one scale: int8 keeps a float16 scale per token, per KV head, for K and for V
+# (3% on top of 64-wide heads); fp8 keeps one float32 k_scale and v_scale per layer.
+INT8_SCALE_BYTES = 2
+FP8_SCALE_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def kv_bytes(
     sliding_tokens = min(tokens, window) if window else tokens
     total = per_layer_token * batch * (spec.num_full_layers * tokens + spec.num_sliding_layers * sliding_tokens)
     scale = _scale_bytes_per_token(dtype, factor, heads, spec.num_layers)
-    fixed = 2 * spec.num_layers * SCALE_BYTES if dtype.startswith("fp8") else 0
+    fixed = 2 * spec.num_layers * FP8_SCALE_BYTES if dtype.startswith("fp8") else 0
     layer_token_slots = batch * (spec.num_full_layers * tokens + spec.num_sliding_layers * sliding_tokens)
     total_scales = scale // spec.num_layers * layer_token_slots + fixed
     return KVBytes(
@@ -157,8 +158,8 @@ def kv_bytes(
 
 
 def _scale_bytes_per_token(dtype: str, kv_factor: int, kv_heads: int, num_layers: int) -> int:
-    """int8 keeps a float32 scale per token, per KV head, for K and V in every layer; fp8 keeps
+    """int8 keeps a float16 scale per token, per KV head, for K and V in every layer; fp8 keeps
     one K and one V scale per layer (``scale_bytes_fixed``), so it costs 0 per token."""
     if dtype == "int8":
-        return kv_factor * kv_heads * num_layers * SCALE_BYTES
+        return kv_factor * kv_heads * num_layers * INT8_SCALE_BYTES
     return 0

@@ -1,0 +1,105 @@
+"""8-bit paged KV caches: one byte per element in the block pool, plus scales.
+
+Same layout and the same two operations as :class:`~kvledger.layers.paged_kv.KVCache`
+(``write`` by slot, ``gather`` by block table); quantization happens on write and
+dequantization on gather, so attention sees K and V in the model's dtype and nothing else in
+the engine changes. The formats are in :mod:`kvledger.layers.kv_quant`:
+
+* :class:`Int8KVCache`: int8 elements and a float16 scale per token, per KV head, for K and
+  for V, kept in ``scales`` ``[L, 2, num_blocks, block_size, H_kv]`` beside the blocks, so a
+  block's scales travel with it (prefix sharing, eviction).
+* :class:`Fp8KVCache`: fp8 elements (E4M3 or E5M2) stored as raw bytes, and one K and one V
+  scale per layer (vLLM's ``k_scale``/``v_scale``) in ``scales`` ``[L, 2]``.
+
+``measured_bytes`` counts elements and scales: Eq 2.2's ``bytes_per_token`` plus
+``scale_bytes_per_token`` per slot, plus ``scale_bytes_fixed`` for per-layer scales.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvledger.layers.kv_quant import (
+    INT8_SCALE_DTYPE, SCALE_DTYPE, dequantize_fp8, dequantize_int8, fp8_dtype, fp8_scale_for, quantize_fp8, quantize_int8,
+)
+from kvledger.layers.paged_kv import KVCache
+
+
+class Int8KVCache(KVCache):
+    """int8 K/V with per-token, per-head float16 scales."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 compute_dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, torch.int8, device, compute_dtype)
+        self.scales = torch.ones(num_layers, 2, num_blocks, block_size, num_kv_heads, dtype=INT8_SCALE_DTYPE,
+                                 device=device)
+        self._flat_scales = self.scales.view(num_layers, 2, num_blocks * block_size, num_kv_heads)
+
+    @property
+    def measured_bytes(self) -> int:
+        return super().measured_bytes + self.scales.numel() * self.scales.element_size()
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        for i, x in enumerate((k, v)):
+            q, scale = quantize_int8(x)
+            self._flat[layer, i].index_copy_(0, slot_mapping, q)
+            self._flat_scales[layer, i].index_copy_(0, slot_mapping, scale)
+
+    def gather(self, layer: int, block_tables: torch.Tensor, num_tokens: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, blocks = block_tables.shape
+        tokens = blocks * self.block_size
+        out = []
+        for i in range(2):
+            q = self.storage[layer, i][block_tables].view(batch, tokens, self.num_kv_heads, self.head_dim)
+            s = self.scales[layer, i][block_tables].view(batch, tokens, self.num_kv_heads)
+            if num_tokens is not None:
+                q, s = q[:, :num_tokens], s[:, :num_tokens]
+            out.append(dequantize_int8(q, s, self.compute_dtype).transpose(1, 2))
+        return out[0], out[1]
+
+
+class Fp8KVCache(KVCache):
+    """fp8 K/V (bytes in the pool) with one K and one V scale per layer, set on the first write."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 compute_dtype: torch.dtype, kv_cache_dtype: str = "fp8", device: torch.device | str = "cpu") -> None:
+        self.fp8 = fp8_dtype(kv_cache_dtype)
+        super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, torch.uint8, device, compute_dtype)
+        self.scales = torch.ones(num_layers, 2, dtype=SCALE_DTYPE, device=device)
+        self._scale_values: list[tuple[float, float] | None] = [None] * num_layers  # host copies of ``scales``
+
+    @property
+    def measured_bytes(self) -> int:
+        return super().measured_bytes + self.scales.numel() * self.scales.element_size()
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if self._scale_values[layer] is None:
+            values = (fp8_scale_for(k, self.fp8), fp8_scale_for(v, self.fp8))
+            self.scales[layer] = torch.tensor(values, dtype=SCALE_DTYPE)
+            self._scale_values[layer] = values
+        for i, x in enumerate((k, v)):
+            q = quantize_fp8(x, self._scale_values[layer][i], self.fp8)
+            self._flat[layer, i].index_copy_(0, slot_mapping, q.view(torch.uint8))
+
+    def gather(self, layer: int, block_tables: torch.Tensor, num_tokens: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self._gather_stored(layer, block_tables, num_tokens)  # raw bytes, [B, H_kv, T, d_h]
+        k_scale, v_scale = self._scale_values[layer] or (1.0, 1.0)
+        return (dequantize_fp8(k.view(self.fp8), k_scale, self.compute_dtype),
+                dequantize_fp8(v.view(self.fp8), v_scale, self.compute_dtype))
+
+
+def make_kv_cache(kv_cache_dtype: str, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                  head_dim: int, compute_dtype: torch.dtype, device: torch.device | str = "cpu") -> KVCache:
+    """The cache for a resolved ``--kv-cache-dtype`` (not ``auto``): plain, int8 or fp8."""
+    from kvledger.layers.kv_quant import is_fp8
+    from kvledger.layers.paged_kv import resolve_kv_dtype
+
+    if kv_cache_dtype == "int8":
+        return Int8KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, compute_dtype, device)
+    if is_fp8(kv_cache_dtype):
+        return Fp8KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, compute_dtype,
+                          kv_cache_dtype, device)
+    return KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim,
+                   resolve_kv_dtype(kv_cache_dtype, compute_dtype), device, compute_dtype)

@@ -1,0 +1,103 @@
+"""8-bit KV caches inside the engine: bytes to the byte, capacity, greedy agreement, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvledger.engine.config import EngineConfig
+from kvledger.engine.llm_engine import LLMEngine
+from kvledger.errors import KVLedgerError
+from kvledger.spec import kv_bytes, load_model_spec
+from tests.cli_helpers import assert_one_line_error, kvledger
+
+POOL = "32MiB"
+KINDS = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """One small engine per cache dtype, all with the same --kv-cache-memory."""
+    return {d: LLMEngine(EngineConfig(model="smollm2-135m", dtype="float32", kv_cache_dtype=d, kv_cache_memory=POOL,
+                                      max_model_len=512))
+            for d in ("float32", "bfloat16", *KINDS)}
+
+
+@pytest.mark.parametrize("kind", ("float32", "bfloat16", *KINDS))
+def test_measured_bytes_equal_the_prediction_to_the_byte(engines, kind):
+    engine = engines[kind]
+    ledger = engine.ledger()
+    spec = load_model_spec("smollm2-135m")
+    kb = kv_bytes(spec, kind)
+    # predicted by hand: Eq 2.2 per slot, int8's float16 scale per token per KV head for K and V,
+    # fp8's float32 k_scale and v_scale per layer
+    per_token = 2 * 30 * 3 * 64 * {"float32": 4, "bfloat16": 2}.get(kind, 1)
+    scales = 2 * 30 * 3 * 2 if kind == "int8" else 0
+    fixed = 2 * 30 * 4 if kind.startswith("fp8") else 0
+    slots = ledger.num_blocks * ledger.block_size
+    assert ledger.bytes_per_token == kb.bytes_per_token == per_token
+    assert ledger.predicted_bytes == per_token * slots + scales * slots + fixed
+    assert ledger.measured_bytes == ledger.predicted_bytes
+    assert ledger.scale_bytes == scales * slots + fixed
+    # and the pool is the most blocks that fit in the given memory
+    assert ledger.num_blocks == (32 * 2**20 - fixed) // (16 * (per_token + scales))
+
+
+def test_8bit_caches_hold_at_least_1_9x_bf16_and_3_8x_fp32(engines):
+    fp32, bf16 = engines["float32"].num_blocks, engines["bfloat16"].num_blocks
+    for kind in KINDS:
+        assert engines[kind].num_blocks >= 1.9 * bf16, kind
+        assert engines[kind].num_blocks >= 3.8 * fp32, kind
+
+
+def test_planner_capacity_equals_the_engines(engines):
+    from kvledger.planner.gpus import get_gpu
+    from kvledger.planner.memory_wall import plan_memory
+
+    spec = load_model_spec("smollm2-135m").with_overrides(torch_dtype="float32")
+    for kind in ("float32", "int8", "fp8"):
+        wall = plan_memory(spec, get_gpu("h100-80gb"), kv_cache_dtype=kind, kv_cache_memory=32 * 2**20)
+        assert wall.num_blocks == engines[kind].num_blocks, kind
+
+
+def test_8bit_greedy_runs_and_frees_every_block(engines):
+    from kvledger.engine.sampling_params import SamplingParams
+
+    engine = engines["int8"]
+    for i in range(3):
+        engine.add_request(f"r{i}", list(range(100 + i, 160 + 7 * i)), SamplingParams(max_tokens=20, temperature=0))
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_integrity()
+    assert engine.ledger().blocks_allocated == 0
+
+
+def test_int8_greedy_agrees_on_the_first_16_tokens(engine_reference):
+    from kvledger import LLM, SamplingParams
+
+    llm = LLM(model="smollm2-135m", dtype="float32", kv_cache_dtype="int8", kv_cache_memory="64MiB",
+              max_num_batched_tokens=64)
+    outs = llm.generate(engine_reference.prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    agree = sum(o.outputs[0].token_ids[:16] == ref[:16] for o, ref in zip(outs, engine_reference.outputs))
+    assert len(outs) == 20 and agree >= 18, agree
+
+
+def test_unknown_kv_dtype_is_one_line_exit_2():
+    assert_one_line_error(kvledger("generate", "hi", "--kv-cache-dtype", "int4"), "int4", "int8")
+
+
+def test_fp8_without_torch_float8_is_a_clear_error(monkeypatch):
+    from kvledger.layers.kv_quant import fp8_dtype
+
+    monkeypatch.delattr(torch, "float8_e5m2")
+    with pytest.raises(KVLedgerError, match="int8"):
+        fp8_dtype("fp8_e5m2")
+
+
+def test_generate_json_reports_dtype_and_scale_bytes():
+    r = kvledger("generate", "The capital of France is", "--max-tokens", "4", "--kv-cache-dtype", "int8",
+                 "--kv-cache-memory", POOL, "--json")
+    assert r.returncode == 0, r.stderr
+    kv = r.json()["kv"]
+    assert kv["kv_cache_dtype"] == "int8" and kv["scale_bytes"] > 0
+    assert kv["measured_bytes"] == kv["predicted_bytes"]
