@@ -23,11 +23,13 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
+	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
 
 run: install
 	$(BIN)/kvledger kv-bytes llama-3.1-8b --tokens 8192
 	$(BIN)/kvledger plan llama-3.1-8b --gpu a100-80gb
 	$(BIN)/kvledger verify
+	$(BIN)/kvledger generate --chat "What is a KV cache, in one sentence?" --max-tokens 48
 
 test: install-dev
 	$(BIN)/python -m pytest -q
