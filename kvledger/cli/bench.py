@@ -6,29 +6,16 @@ import argparse
 import shlex
 from datetime import datetime, timezone
 
-from kvledger.cli.common import positive_int
+from kvledger.cli.common import positive_float, positive_int
 
 
 def _rate(text: str) -> float | str:
     if text in ("inf", "trace"):
         return float("inf") if text == "inf" else "trace"
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number, 'inf' or 'trace'") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
+        return positive_float(text)
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"{err} (or 'inf' or 'trace')") from None
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,16 +36,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--num-prompts", type=positive_int, default=64, help="requests to send (default 64)")
     s.add_argument("--sample", choices=["random", "head"], default="random",
                    help="pick rows at random with --seed, or the first ones (default random)")
-    s.add_argument("--length-scale", type=_positive_float, default=1.0,
+    s.add_argument("--length-scale", type=positive_float, default=1.0,
                    help="multiply prompt and output lengths by this, e.g. 0.25 (default 1)")
     s.add_argument("--max-model-len", type=positive_int, default=None,
                    help="cut prompts so prompt + output fits this many tokens")
     s.add_argument("--request-rate", type=_rate, default=float("inf"),
                    help="requests/s (Poisson), 'inf' for all at once, or 'trace' for the trace's timestamps "
                         "(default inf)")
-    s.add_argument("--burstiness", type=_positive_float, default=1.0,
+    s.add_argument("--burstiness", type=positive_float, default=1.0,
                    help="gamma shape of arrival gaps: 1 = Poisson, <1 burstier (default 1)")
-    s.add_argument("--time-scale", type=_positive_float, default=1.0,
+    s.add_argument("--time-scale", type=positive_float, default=1.0,
                    help="with --request-rate trace: divide the trace's times by this (default 1)")
     s.add_argument("--max-concurrency", type=positive_int, default=None, help="cap on requests in flight")
     s.add_argument("--seed", type=int, default=0, help="seed for row sampling, token ids and arrivals (default 0)")
