@@ -82,3 +82,13 @@ def test_int8_beats_fp8_on_relative_error_for_gaussian_vectors():
         errors[kind] = ((k[0].transpose(0, 1) - x).norm() / x.norm()).item()
     assert errors["int8"] < errors["fp8_e4m3"] < errors["fp8_e5m2"]
     assert errors["int8"] < 0.01
+
+
+def test_fast_e4m3_decode_equals_torchs_cast_for_every_byte():
+    from kvledger.layers.kv_quant import dequantize_fp8
+
+    raw = torch.arange(256, dtype=torch.uint8)
+    expected = raw.view(torch.float8_e4m3fn).float() * 0.5
+    ours = dequantize_fp8(raw.view(torch.float8_e4m3fn), 0.5, torch.float32)
+    finite = ~expected.isnan()
+    assert torch.equal(ours[finite], expected[finite])

@@ -53,7 +53,8 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`quantize_int8` into ``dtype``."""
-    return (q.to(SCALE_DTYPE) * scale.to(SCALE_DTYPE).unsqueeze(-1)).to(dtype)
+    # int8 x float32 promotes inside one kernel: no float copy of q is made first
+    return torch.mul(q, scale.to(SCALE_DTYPE).unsqueeze(-1)).to(dtype)
 
 
 def fp8_scale_for(x: torch.Tensor, fp8: torch.dtype) -> float:
@@ -69,4 +70,18 @@ def quantize_fp8(x: torch.Tensor, scale: float, fp8: torch.dtype) -> torch.Tenso
 
 
 def dequantize_fp8(q: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    return (q.to(SCALE_DTYPE) * scale).to(dtype)
+    """``q * scale`` in ``dtype``. E4M3 goes through :func:`_e4m3_as_float16`: torch's CPU cast
+    from E4M3 is about 5x slower than these integer ops (E5M2 is half of a float16 and casts fast)."""
+    if q.dtype == torch.float8_e4m3fn:
+        return _e4m3_as_float16(q.view(torch.uint8)).to(SCALE_DTYPE).mul_(scale * 256.0).to(dtype)
+    return q.to(SCALE_DTYPE).mul_(scale).to(dtype)
+
+
+def _e4m3_as_float16(raw: torch.Tensor) -> torch.Tensor:
+    """E4M3 bytes as float16 values 256 times too small, exactly (subnormals included).
+
+    Moving the exponent and mantissa bits up by 7 puts them in float16's fields; float16's
+    exponent bias is 8 more than E4M3's, so every value, normal or subnormal, comes out
+    scaled by 2**-8. (The NaN codes, never written here, would read as finite values.)"""
+    x = raw.to(torch.int16)
+    return (((x & 0x80) << 8) | ((x & 0x7F) << 7)).view(torch.float16)

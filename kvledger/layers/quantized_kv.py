@@ -50,12 +50,11 @@ class Int8KVCache(KVCache):
         batch, blocks = block_tables.shape
         tokens = blocks * self.block_size
         out = []
-        for i in range(2):
-            q = self.storage[layer, i][block_tables].view(batch, tokens, self.num_kv_heads, self.head_dim)
+        for q, i in zip(self._gather_stored(layer, block_tables, num_tokens), range(2)):  # q: [B, H_kv, T, d_h]
             s = self.scales[layer, i][block_tables].view(batch, tokens, self.num_kv_heads)
             if num_tokens is not None:
-                q, s = q[:, :num_tokens], s[:, :num_tokens]
-            out.append(dequantize_int8(q, s, self.compute_dtype).transpose(1, 2))
+                s = s[:, :num_tokens]
+            out.append(dequantize_int8(q, s.transpose(1, 2), self.compute_dtype))
         return out[0], out[1]
 
 
