@@ -118,12 +118,9 @@ def load_text(path: str | None) -> tuple[str, str]:
 
 def _chunk_metadata(start: int, n: int, block_size: int, device: torch.device) -> AttentionMetadata:
     """One sequence laid out in order (slot = position), tokens ``[start, start + n)`` new."""
-    ctx = start + n
-    table = torch.arange(-(-ctx // block_size), device=device).view(1, -1)
-    q_pos = torch.arange(start, ctx, device=device)[:, None]
-    mask = (torch.arange(ctx, device=device)[None, :] <= q_pos).view(1, 1, n, ctx) if start else None
-    meta = AttentionMetadata(slot_mapping=torch.arange(start, ctx, device=device))
-    meta.prefills.append(PrefillChunk(0, n, start, table, mask))
+    table = torch.arange(-(-(start + n) // block_size), device=device).view(1, -1)
+    meta = AttentionMetadata(slot_mapping=torch.arange(start, start + n, device=device))
+    meta.prefills.append(PrefillChunk.causal(0, n, start, table))
     return meta
 
 

@@ -12,24 +12,21 @@ from kvledger.units import parse_rate, parse_size
 from kvledger.errors import KVLedgerError
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def _positive(kind: type, noun: str):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be a positive {noun.split()[-1]}, got {value}")
+        return value
+    parse.__name__ = f"positive_{kind.__name__}"
+    return parse
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
+positive_int = _positive(int, "an integer")
+positive_float = _positive(float, "a number")
 
 
 def fraction(text: str) -> float:

@@ -56,13 +56,8 @@ class ModelRunner:
         for s in prefills:
             r = s.request
             n, computed = s.num_new_tokens, r.num_computed_tokens
-            ctx = computed + n
-            table = block_tables[r.request_id][: -(-ctx // bs)]
-            mask = None
-            if computed:
-                q_pos = torch.arange(computed, ctx, device=self.device)[:, None]
-                mask = (torch.arange(ctx, device=self.device)[None, :] <= q_pos).view(1, 1, n, ctx)
-            meta.prefills.append(PrefillChunk(offset, offset + n, computed, self._tensor(table).view(1, -1), mask))
+            table = block_tables[r.request_id][: -(-(computed + n) // bs)]
+            meta.prefills.append(PrefillChunk.causal(offset, n, computed, self._tensor(table).view(1, -1)))
             offset += n
         logits = self.model(self._tensor(input_ids), self._tensor(positions), meta, self.cache,
                             self._tensor(logits_indices))

@@ -33,6 +33,17 @@ class PrefillChunk:
     block_table: torch.Tensor  # [1, blocks covering num_computed + (end - start) tokens]
     mask: torch.Tensor | None  # [1, 1, n, ctx] bool when num_computed > 0
 
+    @classmethod
+    def causal(cls, start: int, n: int, num_computed: int, block_table: torch.Tensor) -> "PrefillChunk":
+        """``n`` new tokens at flat offset ``start`` after ``num_computed`` cached ones, each
+        attending to every earlier position and itself (no mask needed when nothing is cached)."""
+        mask = None
+        if num_computed:
+            ctx = num_computed + n
+            q_pos = torch.arange(num_computed, ctx, device=block_table.device)[:, None]
+            mask = (torch.arange(ctx, device=block_table.device)[None, :] <= q_pos).view(1, 1, n, ctx)
+        return cls(start, start + n, num_computed, block_table, mask)
+
 
 @dataclass
 class DecodeGroup:
