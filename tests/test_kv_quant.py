@@ -20,9 +20,11 @@ def test_int8_roundtrip_is_exact_for_multiples_of_the_scale():
     assert dequantize_int8(q, scale, torch.float32).tolist()[0][:2] == [1.0, -2.0]
 
 
-def test_int8_zero_vector_keeps_a_unit_scale():
+def test_int8_zero_vector_reads_back_as_exact_zeros():
     q, scale = quantize_int8(torch.zeros(1, 4))
-    assert scale.item() == 1.0 and q.abs().sum() == 0
+    assert q.abs().sum() == 0
+    assert 0 < scale.item() < 1e-6  # the float16 floor, not 0 (no division by zero)
+    assert dequantize_int8(q, scale, torch.float32).tolist() == [[0.0, 0.0, 0.0, 0.0]]
 
 
 def _write_two_tokens(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,11 +86,51 @@ def test_int8_beats_fp8_on_relative_error_for_gaussian_vectors():
     assert errors["int8"] < 0.01
 
 
-def test_fast_e4m3_decode_equals_torchs_cast_for_every_byte():
-    from kvledger.layers.kv_quant import dequantize_fp8
+@pytest.mark.parametrize("fp8", ["float8_e4m3fn", "float8_e5m2"])
+def test_fast_fp8_decode_equals_torchs_cast_for_every_byte(fp8):
+    from kvledger.layers.kv_quant import dequantize_fp8, widen_fp8
 
-    raw = torch.arange(256, dtype=torch.uint8)
-    expected = raw.view(torch.float8_e4m3fn).float() * 0.5
-    ours = dequantize_fp8(raw.view(torch.float8_e4m3fn), 0.5, torch.float32)
-    finite = ~expected.isnan()
-    assert torch.equal(ours[finite], expected[finite])
+    raw = torch.arange(256, dtype=torch.uint8).view(getattr(torch, fp8))
+    finite = raw.float().isfinite()
+    assert finite.sum() >= 248  # the NaN (and E5M2's inf) codes alone are left out
+    expected = raw.float() * 0.5
+    assert torch.equal(dequantize_fp8(raw, 0.5, torch.float32)[finite], expected[finite])
+    widened, factor = widen_fp8(raw, torch.float32)
+    assert torch.equal((widened * factor)[finite], raw.float()[finite])
+    # a transposed view (as gathered from the pool) comes back contiguous with the same values
+    grid = raw.view(2, 128).t()
+    widened, factor = widen_fp8(grid, torch.float32)
+    finite = grid.float().isfinite()
+    assert widened.is_contiguous() and torch.equal((widened * factor)[finite], grid.float()[finite])
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["float32", "int8", "fp8_e4m3", "fp8_e5m2"])
+def test_decode_attention_with_folded_scales_equals_attention_over_dequantized_kv(kind, compute_dtype):
+    """Two sequences of 5 and 3 tokens, GQA (4 query heads over 2 KV heads), padded and masked:
+    attention that applies the scales to scores and probabilities equals SDPA over the
+    dequantized K/V the cache gathers."""
+    import torch.nn.functional as F
+
+    from kvledger.layers.attention import decode_attention
+
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, bs = 4, 2, 8, 2
+    cache = make_kv_cache(kind, 1, 6, bs, kv_heads, head_dim, compute_dtype)
+    block_tables = torch.tensor([[4, 1, 3], [0, 5, 2]])
+    lengths = [5, 3]
+    slots = torch.cat([block_tables[b].repeat_interleave(bs)[:n] * bs + torch.arange(n) % bs
+                       for b, n in enumerate(lengths)])
+    k_new, v_new = torch.randn(8, kv_heads, head_dim) * 3, torch.randn(8, kv_heads, head_dim)
+    cache.write(0, k_new.to(compute_dtype), v_new.to(compute_dtype), slots)
+    mask = (torch.arange(5)[None, :] < torch.tensor(lengths)[:, None]).view(2, 1, 1, 5)
+    q = torch.randn(2, heads, head_dim).to(compute_dtype)
+    kv = cache.gather_decode(0, block_tables, 5)
+    assert kv.has_scales == (kind not in ("float32", "bfloat16"))  # 8-bit caches leave the scales to attention
+    assert kv.k.dtype == compute_dtype
+    ours = decode_attention(q, kv, mask, 0.3)
+    k, v = cache.gather(0, block_tables, 5)
+    expected = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+    atol = 1e-5 if compute_dtype == torch.float32 else 2e-2  # bfloat16 keeps 8 significant bits
+    assert ours.dtype == compute_dtype
+    assert torch.allclose(ours.float(), expected.squeeze(2).float(), atol=atol)

@@ -4,10 +4,13 @@ A step's tokens are flattened into one batch: first one token per decoding seque
 the prefill chunks, each contiguous. Per layer every new K/V is written into the cache
 first (:meth:`KVCache.write`), then attention runs:
 
-* decodes: batched SDPA calls, queries ``[B, H, 1, d]`` against K/V gathered through the
-  block tables ``[B, H_kv, T, d]``, padding positions masked. Decodes come sorted by context
-  length and split into groups whose longest context is at most twice their shortest, so the
-  padding gathered never exceeds the useful K/V read;
+* decodes: one attention call per group, queries ``[B, H, 1, d]`` against K/V gathered
+  through the block tables ``[B, H_kv, T, d]``, padding positions masked. Decodes come sorted
+  by context length and split into groups whose longest context is at most twice their
+  shortest, so the padding gathered never exceeds the useful K/V read. An unquantized cache
+  goes through SDPA; an 8-bit cache hands over its values widened but unscaled
+  (:class:`DecodeKV`) and :func:`decode_attention` applies the scales to the scores and the
+  probabilities, so the context is never dequantized into a full-size copy;
 * a prefill chunk that starts at position 0: causal SDPA over its own fresh K/V;
 * a later chunk (chunked prefill, prefix-cache hit, recompute): SDPA over K/V gathered through
   its block table with a causal mask offset by the tokens already in the cache.
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvledger.layers.paged_kv import KVCache
+from kvledger.layers.paged_kv import DecodeKV, KVCache
 
 
 @dataclass
@@ -72,10 +75,8 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
     for group in meta.decodes:
-        kd, vd = cache.gather(layer, group.block_tables, group.max_len)
-        qd = q[group.start:group.end].unsqueeze(2)  # [B, H, 1, d]
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale, enable_gqa=gqa)
-        out[group.start:group.end] = o.squeeze(2)
+        kv = cache.gather_decode(layer, group.block_tables, group.max_len)
+        out[group.start:group.end] = decode_attention(q[group.start:group.end], kv, group.mask, scale)
     for chunk in meta.prefills:
         qc = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
         if chunk.num_computed == 0 and not cache.read_back_fresh:
@@ -89,3 +90,37 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                                scale=scale, enable_gqa=gqa)
         out[chunk.start:chunk.end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def decode_attention(q: torch.Tensor, kv: DecodeKV, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """One query per sequence: ``q`` ``[B, H, d]`` over ``kv`` (``[B, H_kv, T, d]``), ``mask``
+    ``[B, 1, 1, T]`` (True = attend) or None; returns ``[B, H, d]``.
+
+    With scales (8-bit caches), for query head ``h`` of KV head ``j``::
+
+        scores[t] = scale * (q_h . k_j[t]) * k_scale_j[t]
+        out       = sum_t softmax(scores)[t] * v_scale_j[t] * v_j[t]
+
+    which is attention over the dequantized K/V, with the multiplies moved onto ``[T]``-sized
+    rows instead of ``[T, d]``-sized tensors. Per-layer (float) scales fold into ``q`` and the
+    output."""
+    if not kv.has_scales:
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), kv.k, kv.v, attn_mask=mask, scale=scale,
+                                           enable_gqa=q.shape[1] != kv.k.shape[1])
+        return o.squeeze(2)
+    batch, heads, head_dim = q.shape
+    kv_heads = kv.k.shape[1]
+    qg = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)  # query heads grouped by KV head
+    k_scale, v_scale = kv.k_scale, kv.v_scale
+    scores = torch.matmul(qg * (scale * k_scale if isinstance(k_scale, float) else scale), kv.k.transpose(2, 3))
+    if not isinstance(k_scale, float):
+        scores.mul_(k_scale.unsqueeze(2))  # [B, H_kv, 1, T] over [B, H_kv, G, T]
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)  # float32 under a 16-bit model too, as SDPA
+    if not isinstance(v_scale, float):
+        probs.mul_(v_scale.unsqueeze(2))
+    o = torch.matmul(probs.to(kv.v.dtype), kv.v)  # [B, H_kv, G, d]
+    if isinstance(v_scale, float):
+        o.mul_(v_scale)
+    return o.reshape(batch, heads, head_dim)

@@ -9,8 +9,8 @@
   written to that layer (their largest magnitude maps to a quarter of the format's range,
   leaving 4x headroom for later tokens) and then frozen; ``q = fp8(x / scale)``, saturating.
 
-Quantize on write, dequantize on read: nothing outside :mod:`kvledger.layers.paged_kv` sees
-the 8-bit values. CPU kernels lack ``index_copy`` for float8, so fp8 bytes move as uint8.
+Quantize on write; on read the cache either dequantizes (prefill chunks) or widens the bytes
+and leaves the scales to decode attention, which applies them to scores and probabilities. CPU kernels lack ``index_copy`` for float8, so fp8 bytes move as uint8.
 """
 
 from __future__ import annotations
@@ -25,7 +25,12 @@ SCALE_DTYPE = torch.float32
 """Arithmetic and fp8's per-layer scales are float32."""
 INT8_SCALE_DTYPE = torch.float16
 """int8's per-token, per-head scales are stored as float16."""
+_FLOAT16_TINY = 2.0 ** -24
+"""The smallest positive float16 (subnormal): the floor of an int8 scale."""
 _FP8_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+_FP8_AS_FLOAT16 = {"float8_e4m3fn": (7, 256.0), "float8_e5m2": (8, 1.0)}
+"""Per fp8 format: the left shift that puts a byte's exponent and mantissa into float16's
+fields, and the factor the resulting float16 is off by (2 ** the exponent-bias difference)."""
 
 
 def fp8_dtype(kv_cache_dtype: str) -> torch.dtype:
@@ -44,10 +49,11 @@ def is_fp8(kv_cache_dtype: str) -> bool:
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ``[..., d]`` -> (int8 values ``[..., d]``, float16 scales ``[...]``), symmetric absmax.
-    Values are divided by the stored (rounded) scale, so dequantization is consistent."""
-    scale = (x.abs().amax(dim=-1).to(SCALE_DTYPE) / INT8_MAX).to(INT8_SCALE_DTYPE)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # zero (or underflowed) vectors
-    q = torch.round(x.to(SCALE_DTYPE) / scale.to(SCALE_DTYPE).unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX)
+    Values are divided by the stored (rounded) scale, so dequantization is consistent. A zero
+    vector gets the smallest float16 scale and zero values. Few kernels on purpose: a decode
+    step quantizes one token per layer, so each extra op is paid 2 x L times per step."""
+    scale = x.abs().amax(dim=-1).to(SCALE_DTYPE).div_(INT8_MAX).to(INT8_SCALE_DTYPE).clamp_min_(_FLOAT16_TINY)
+    q = torch.div(x.to(SCALE_DTYPE), scale.to(SCALE_DTYPE).unsqueeze(-1)).round_().clamp_(-INT8_MAX, INT8_MAX)
     return q.to(torch.int8), scale
 
 
@@ -63,25 +69,33 @@ def fp8_scale_for(x: torch.Tensor, fp8: torch.dtype) -> float:
     return amax * FP8_HEADROOM / torch.finfo(fp8).max if amax > 0 else 1.0
 
 
-def quantize_fp8(x: torch.Tensor, scale: float, fp8: torch.dtype) -> torch.Tensor:
-    """``x / scale`` as fp8, saturating at the format's largest finite value."""
+def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+    """``x / scale`` as fp8, saturating at the format's largest finite value (``scale`` a float
+    or a tensor that broadcasts against ``x``)."""
     limit = torch.finfo(fp8).max
     return (x.to(SCALE_DTYPE) / scale).clamp_(-limit, limit).to(fp8)
 
 
 def dequantize_fp8(q: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """``q * scale`` in ``dtype``. E4M3 goes through :func:`_e4m3_as_float16`: torch's CPU cast
-    from E4M3 is about 5x slower than these integer ops (E5M2 is half of a float16 and casts fast)."""
-    if q.dtype == torch.float8_e4m3fn:
-        return _e4m3_as_float16(q.view(torch.uint8)).to(SCALE_DTYPE).mul_(scale * 256.0).to(dtype)
-    return q.to(SCALE_DTYPE).mul_(scale).to(dtype)
+    """``q * scale`` in ``dtype``."""
+    widened, factor = widen_fp8(q, SCALE_DTYPE)
+    return widened.mul_(scale * factor).to(dtype)
 
 
-def _e4m3_as_float16(raw: torch.Tensor) -> torch.Tensor:
-    """E4M3 bytes as float16 values 256 times too small, exactly (subnormals included).
+def widen_fp8(q: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """fp8 values ``q`` as a contiguous ``dtype`` tensor ``w`` and a factor ``f``, with
+    ``q == w * f`` exactly for every finite code.
 
-    Moving the exponent and mantissa bits up by 7 puts them in float16's fields; float16's
-    exponent bias is 8 more than E4M3's, so every value, normal or subnormal, comes out
-    scaled by 2**-8. (The NaN codes, never written here, would read as finite values.)"""
-    x = raw.to(torch.int16)
-    return (((x & 0x80) << 8) | ((x & 0x7F) << 7)).view(torch.float16)
+    The bytes become float16 bit patterns with integer ops (torch's CPU casts from fp8 are 3-15x
+    slower): each byte, read as int8, is widened to int16 (which sign-extends it) and shifted
+    left. E5M2 shifted by 8 is a float16 (same exponent bias, ``f`` = 1). E4M3 shifted by 7 puts
+    its exponent and mantissa at the bottom of float16's fields; the sign lands on bit 15
+    through the sign extension, and its copy on bit 14 is cleared. float16's exponent bias is 8
+    more than E4M3's, so every value, normal or subnormal, comes out 2**-8 times too small
+    (``f`` = 256). NaN codes are never written. The widening to int16 also makes the tensor
+    contiguous, so the later ops run over contiguous memory."""
+    shift, factor = _FP8_AS_FLOAT16[str(q.dtype).removeprefix("torch.")]
+    bits = q.view(torch.int8).to(torch.int16, memory_format=torch.contiguous_format).mul_(1 << shift)
+    if shift == 7:
+        bits.bitwise_and_(~0x4000)
+    return bits.view(torch.float16).to(dtype), factor

@@ -5,11 +5,15 @@ Layout: one tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_
 ``s % block_size``. Its size is exactly Eq 2.2: ``2 * L * H_kv * d_h * s`` bytes per token
 times ``num_blocks * block_size`` tokens.
 
-Quantized storage (int8/fp8 with scales) belongs here alone: :meth:`KVCache.write` would
-quantize and :meth:`KVCache.gather` dequantize; callers never touch :attr:`KVCache.storage`.
+Quantized storage (int8/fp8 with scales, :mod:`kvledger.layers.quantized_kv`) overrides the
+same methods: :meth:`KVCache.write` quantizes, :meth:`KVCache.gather` dequantizes and
+:meth:`KVCache.gather_decode` hands attention the 8-bit values widened but unscaled, with the
+scales beside them. Callers never touch :attr:`KVCache.storage`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +33,27 @@ def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
             f"--kv-cache-dtype {kv_cache_dtype!r} is not supported by the engine yet; use auto, float32, bfloat16 or float16"
         )
     return _DTYPES[kv_cache_dtype]
+
+
+@dataclass
+class DecodeKV:
+    """K and V for decode attention, ``[B, H_kv, T, d_h]`` in the compute dtype, before their
+    scales: the real keys are ``k * k_scale`` and the real values ``v * v_scale``.
+
+    A scale is a float (one per layer, or 1.0 for an unquantized cache) or a per-token,
+    per-head tensor ``[B, H_kv, T]``. Attention applies them to the scores and to the
+    probabilities, which are ``d_h`` times smaller than K and V."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | float = 1.0
+    v_scale: torch.Tensor | float = 1.0
+
+    @property
+    def has_scales(self) -> bool:
+        """True when scales remain to apply (False: K and V are the real keys and values)."""
+        return not (isinstance(self.k_scale, float) and isinstance(self.v_scale, float)
+                    and self.k_scale == 1.0 and self.v_scale == 1.0)
 
 
 class KVCache:
@@ -81,6 +106,12 @@ class KVCache:
         if self.dtype != self.compute_dtype:
             k, v = k.to(self.compute_dtype), v.to(self.compute_dtype)
         return k, v
+
+    def gather_decode(self, layer: int, block_tables: torch.Tensor, num_tokens: int) -> DecodeKV:
+        """K and V for decode steps, in the form attention reads fastest: for this cache, the
+        dequantized :meth:`gather`; 8-bit caches widen their bytes and leave the scales apart."""
+        k, v = self.gather(layer, block_tables, num_tokens)
+        return DecodeKV(k, v)
 
     def _gather_stored(self, layer: int, block_tables: torch.Tensor, num_tokens: int | None
                        ) -> tuple[torch.Tensor, torch.Tensor]:

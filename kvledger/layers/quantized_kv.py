@@ -2,8 +2,11 @@
 
 Same layout and the same two operations as :class:`~kvledger.layers.paged_kv.KVCache`
 (``write`` by slot, ``gather`` by block table); quantization happens on write and
-dequantization on gather, so attention sees K and V in the model's dtype and nothing else in
-the engine changes. The formats are in :mod:`kvledger.layers.kv_quant`:
+dequantization on read, so nothing else in the engine changes. Decode steps read through
+``gather_decode``: the 8-bit values widened to the compute dtype but not multiplied by their
+scales, which attention applies to the scores and probabilities instead (as the CUDA kernels
+of serving engines do), so no dequantized copy of the context is made. The formats are in
+:mod:`kvledger.layers.kv_quant`:
 
 * :class:`Int8KVCache`: int8 elements and a float16 scale per token, per KV head, for K and
   for V, kept in ``scales`` ``[L, 2, num_blocks, block_size, H_kv]`` beside the blocks, so a
@@ -21,8 +24,9 @@ import torch
 
 from kvledger.layers.kv_quant import (
     INT8_SCALE_DTYPE, SCALE_DTYPE, dequantize_fp8, dequantize_int8, fp8_dtype, fp8_scale_for, quantize_fp8, quantize_int8,
+    widen_fp8,
 )
-from kvledger.layers.paged_kv import KVCache
+from kvledger.layers.paged_kv import DecodeKV, KVCache
 
 
 class Int8KVCache(KVCache):
@@ -40,22 +44,33 @@ class Int8KVCache(KVCache):
         return super().measured_bytes + self.scales.numel() * self.scales.element_size()
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        for i, x in enumerate((k, v)):
-            q, scale = quantize_int8(x)
-            self._flat[layer, i].index_copy_(0, slot_mapping, q)
-            self._flat_scales[layer, i].index_copy_(0, slot_mapping, scale)
+        q, scale = quantize_int8(torch.stack((k, v)))  # K and V together: [2, tokens, H_kv, d_h]
+        self._flat[layer].index_copy_(1, slot_mapping, q)
+        self._flat_scales[layer].index_copy_(1, slot_mapping, scale)
 
     def gather(self, layer: int, block_tables: torch.Tensor, num_tokens: int | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self._gather_stored(layer, block_tables, num_tokens)  # int8, [B, H_kv, T, d_h]
+        k_scale, v_scale = self._gather_scales(layer, block_tables, num_tokens)
+        return (dequantize_int8(k, k_scale, self.compute_dtype), dequantize_int8(v, v_scale, self.compute_dtype))
+
+    def gather_decode(self, layer: int, block_tables: torch.Tensor, num_tokens: int) -> DecodeKV:
+        k, v = self._gather_stored(layer, block_tables, num_tokens)
+        k_scale, v_scale = self._gather_scales(layer, block_tables, num_tokens)
+        contiguous = torch.contiguous_format
+        k, v = (x.to(self.compute_dtype, memory_format=contiguous) for x in (k, v))
+        k_scale, v_scale = (s.to(SCALE_DTYPE, memory_format=contiguous) for s in (k_scale, v_scale))
+        return DecodeKV(k, v, k_scale, v_scale)
+
+    def _gather_scales(self, layer: int, block_tables: torch.Tensor, num_tokens: int | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V scales as stored (float16), ``[B, H_kv, T]``."""
         batch, blocks = block_tables.shape
-        tokens = blocks * self.block_size
-        out = []
-        for q, i in zip(self._gather_stored(layer, block_tables, num_tokens), range(2)):  # q: [B, H_kv, T, d_h]
-            s = self.scales[layer, i][block_tables].view(batch, tokens, self.num_kv_heads)
-            if num_tokens is not None:
-                s = s[:, :num_tokens]
-            out.append(dequantize_int8(q, s.transpose(1, 2), self.compute_dtype))
-        return out[0], out[1]
+        s = self.scales[layer][:, block_tables].view(2, batch, blocks * self.block_size, self.num_kv_heads)
+        if num_tokens is not None:
+            s = s[:, :, :num_tokens]
+        s = s.transpose(2, 3)
+        return s[0], s[1]
 
 
 class Fp8KVCache(KVCache):
@@ -77,9 +92,9 @@ class Fp8KVCache(KVCache):
             values = (fp8_scale_for(k, self.fp8), fp8_scale_for(v, self.fp8))
             self.scales[layer] = torch.tensor(values, dtype=SCALE_DTYPE)
             self._scale_values[layer] = values
-        for i, x in enumerate((k, v)):
-            q = quantize_fp8(x, self._scale_values[layer][i], self.fp8)
-            self._flat[layer, i].index_copy_(0, slot_mapping, q.view(torch.uint8))
+        scales = self.scales[layer].view(2, 1, 1, 1)
+        q = quantize_fp8(torch.stack((k, v)), scales, self.fp8)  # K and V together: [2, tokens, H_kv, d_h]
+        self._flat[layer].index_copy_(1, slot_mapping, q.view(torch.uint8))
 
     def gather(self, layer: int, block_tables: torch.Tensor, num_tokens: int | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +102,12 @@ class Fp8KVCache(KVCache):
         k_scale, v_scale = self._scale_values[layer] or (1.0, 1.0)
         return (dequantize_fp8(k.view(self.fp8), k_scale, self.compute_dtype),
                 dequantize_fp8(v.view(self.fp8), v_scale, self.compute_dtype))
+
+    def gather_decode(self, layer: int, block_tables: torch.Tensor, num_tokens: int) -> DecodeKV:
+        k, v = self._gather_stored(layer, block_tables, num_tokens)
+        k_scale, v_scale = self._scale_values[layer] or (1.0, 1.0)
+        (kw, k_factor), (vw, v_factor) = (widen_fp8(x.view(self.fp8), self.compute_dtype) for x in (k, v))
+        return DecodeKV(kw, vw, k_scale * k_factor, v_scale * v_factor)
 
 
 def make_kv_cache(kv_cache_dtype: str, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
