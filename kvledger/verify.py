@@ -14,7 +14,7 @@ actually allocated must equal Eq 2.2's prediction to the byte.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -59,11 +59,6 @@ class VerifyResult:
     measured_bytes: int
     passed: bool
     config: VerifyConfig
-
-    def to_dict(self) -> dict:
-        return {"max_abs_diff": self.max_abs_diff, "tolerance": self.tolerance,
-                "predicted_bytes": self.predicted_bytes, "measured_bytes": self.measured_bytes,
-                "passed": self.passed, "config": asdict(self.config)}
 
 
 class AttentionLayer(torch.nn.Module):

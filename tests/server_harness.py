@@ -12,6 +12,7 @@ import atexit
 import functools
 import os
 import time
+from dataclasses import asdict
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -98,11 +99,21 @@ def wait_idle(server, timeout: float = 60.0) -> dict:
     """Wait until no request runs or waits; returns the engine's ledger as a dict, taken between steps."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        ledger = server.run(server.aengine.call(lambda e: e.ledger().to_dict()))
+        ledger = server.run(server.aengine.call(lambda e: asdict(e.ledger())))
         if ledger["num_running"] == 0 and ledger["num_waiting"] == 0 and server.aengine.num_waiting() == 0:
             return ledger
         time.sleep(0.05)
     raise AssertionError(f"the server did not become idle in {timeout} s: {ledger}")
+
+
+def start_together(server, threads: list) -> None:
+    """Start ``threads`` (one request each) and wait until the engine runs all of them at once."""
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while server.aengine.snapshot()["num_running"] < len(threads):
+        assert time.monotonic() < deadline, f"{len(threads)} requests never ran together"
+        time.sleep(0.02)
 
 
 def check_integrity(server) -> None:

@@ -1,4 +1,4 @@
-"""``kvledger kv-bytes`` as a user runs it: numbers, JSON, bad input, and no torch."""
+"""``kvledger kv-bytes`` as a user runs it: numbers, JSON, bad input, and no torch (nor in plan, advise)."""
 
 from __future__ import annotations
 
@@ -76,9 +76,15 @@ def test_not_json_and_missing_keys(tmp_path):
     assert_one_line_error(kvledger("kv-bytes", str(zero)), "num_attention_heads", "positive")
 
 
-def test_kv_bytes_never_imports_torch():
+@pytest.mark.parametrize("argv", [
+    ["kv-bytes", "llama-3.1-8b", "--json"],
+    ["plan", "llama-3.1-8b", "--gpu", "a100-80gb", "--json"],
+    ["advise", "llama-3.1-8b", "--gpu", "a100-80gb", "--prompt-tokens", "6144", "--output-tokens", "400",
+     "--users", "40", "--target-users", "100", "--json"],
+])
+def test_spec_and_planner_commands_never_import_torch(argv):
     code = ("import sys; from kvledger.cli.main import main; import kvledger.spec, kvledger; "
-            "rc = main(['kv-bytes', 'llama-3.1-8b', '--json']); "
+            f"rc = main({argv!r}); "
             "assert rc == 0; assert 'torch' not in sys.modules, 'torch was imported'; print('clean')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

@@ -12,13 +12,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.server_harness import MODEL, PROMPTS, openai_client, shared_server, wait_idle
+from tests.server_harness import MODEL, PROMPTS, openai_client, shared_server, start_together, wait_idle
 
 SCREENSHOT = Path(__file__).resolve().parent.parent / "out" / "dashboard.png"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -58,12 +57,7 @@ def running_requests():
         s.close()
 
     threads = [threading.Thread(target=stream, args=(p,), daemon=True) for p in PROMPTS[:5]]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while server.aengine.snapshot()["num_running"] < len(threads):
-        assert time.monotonic() < deadline, "the requests never started"
-        time.sleep(0.05)
+    start_together(server, threads)
     yield server
     stop.set()
     for t in threads:

@@ -50,7 +50,6 @@ def test_waste_below_one_block_per_running_sequence(engine_llm):
 
 
 def test_repeated_prompt_hits_the_prefix_cache(engine_llm):
-    engine = engine_llm.llm_engine
     prompt = list(range(1000, 1000 + 50))
     sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     first = engine_llm.generate([prompt], sp, use_tqdm=False)[0]

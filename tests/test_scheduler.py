@@ -142,8 +142,6 @@ def test_random_traffic_keeps_the_pool_consistent(data):
 
 def test_preemption_by_recompute_resumes_with_the_same_tokens():
     """Two requests that cannot both fit: the later one is preempted, recomputed, and finishes."""
-    import hypothesis  # noqa: F401  (same module deps as above)
-
     class Data:
         def draw(self, strategy, label=None):
             return 1

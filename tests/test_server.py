@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict
 
 import httpx
 import openai
@@ -21,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server_harness import (
     CHATS, MODEL, PROMPTS, check_integrity, greedy_chat_reference, greedy_reference, greedy_references,
-    openai_client, shared_server, wait_idle,
+    openai_client, shared_server, start_together, wait_idle,
 )
 
 MAX_TOKENS = 24
@@ -161,16 +162,11 @@ def test_metrics_equal_engine_ledger_during_a_run_and_when_idle(server):
             pass
 
     threads = [threading.Thread(target=stream, args=(p,)) for p in prompts]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while server.aengine.snapshot()["num_running"] < len(prompts):
-        assert time.monotonic() < deadline, "the requests never ran together"
-        time.sleep(0.01)
+    start_together(server, threads)
 
     async def consistent_view():
         async with server.aengine.hold():  # no step runs here
-            ledger = server.aengine.engine.ledger().to_dict()
+            ledger = asdict(server.aengine.engine.ledger())
             async with httpx.AsyncClient() as c:
                 text = (await c.get(server.url + "/metrics")).text
         return ledger, text

@@ -3,19 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 
-from kvledger.cli.common import positive_int, print_json
+from kvledger.cli.common import non_negative_int, positive_int, print_json
 from kvledger.cli.plan import add_memory_arguments, memory_kwargs, resolve
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
-    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,8 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "contexts by expected gain, each with its cost. FP8 KV is never offered below SM 8.9.")
     add_memory_arguments(p)
     p.add_argument("--prompt-tokens", type=positive_int, required=True, metavar="N", help="average prompt length")
-    p.add_argument("--output-tokens", type=_non_negative_int, required=True, metavar="N", help="average response length")
-    p.add_argument("--shared-prefix-tokens", type=_non_negative_int, default=0, metavar="N",
+    p.add_argument("--output-tokens", type=non_negative_int, required=True, metavar="N", help="average response length")
+    p.add_argument("--shared-prefix-tokens", type=non_negative_int, default=0, metavar="N",
                    help="system-prompt tokens every request shares (default 0)")
     p.add_argument("--users", type=positive_int, required=True, metavar="N", help="concurrent users served today")
     p.add_argument("--target-users", type=positive_int, required=True, metavar="N", help="concurrent users wanted")
@@ -46,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
                     bandwidth=effective_bandwidth(gpu, args.bandwidth, args.bandwidth_efficiency),
                     **memory_kwargs(args))
     if args.json:
-        print_json(result.to_dict())
+        print_json(asdict(result))
         return 0
     print(f"{spec.name} on {gpu.name}: {result.kv_tokens:,} KV tokens; a user holds {result.tokens_per_user:,} "
           f"({args.prompt_tokens:,} prompt + {args.output_tokens:,} output)")

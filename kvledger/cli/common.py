@@ -1,42 +1,36 @@
-"""Argument helpers shared by subcommands: positive integers, sizes, rates, JSON output."""
+"""Argument helpers shared by subcommands: bounded numbers, sizes, rates, JSON output."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from kvledger.spec.dtypes import KV_CACHE_DTYPES
 from kvledger.units import parse_rate, parse_size
 from kvledger.errors import KVLedgerError
 
 
-def _positive(kind: type, noun: str):
+def _number(kind: type, noun: str, ok: Callable[[Any], bool], requirement: str, name: str):
+    """An argparse type: ``kind(text)``, refused with one line unless ``ok(value)``."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be a positive {noun.split()[-1]}, got {value}")
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {value}")
         return value
-    parse.__name__ = f"positive_{kind.__name__}"
+    parse.__name__ = name
     return parse
 
 
-positive_int = _positive(int, "an integer")
-positive_float = _positive(float, "a number")
-
-
-def fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
+positive_int = _number(int, "an integer", lambda v: v > 0, "a positive integer", "positive_int")
+non_negative_int = _number(int, "an integer", lambda v: v >= 0, "zero or more", "non_negative_int")
+positive_float = _number(float, "a number", lambda v: 0 < v < math.inf, "a positive finite number", "positive_float")
+fraction = _number(float, "a number", lambda v: 0 < v <= 1, "in (0, 1]", "fraction")
 
 
 def _wrap(parse):  # argparse wants ArgumentTypeError for a clean one-line message

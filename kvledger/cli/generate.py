@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import asdict
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         from kvledger.cli.common import print_json
 
-        kv = ledger.to_dict()
+        kv = asdict(ledger)
         kv["model"] = engine.model_name
         print_json({"text": completion.text, "token_ids": completion.token_ids,
                     "finish_reason": completion.finish_reason, "prompt_tokens": len(ids),

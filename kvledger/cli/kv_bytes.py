@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 
 from kvledger.cli.common import add_kv_cache_dtype, positive_int, print_json
 
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     kb = kv_bytes(spec, args.kv_cache_dtype, tokens=args.tokens, batch=args.batch,
                   tensor_parallel_size=args.tensor_parallel_size)
     if args.json:
-        print_json({**kb.to_dict(), "attention": spec.attention_kind, "notes": list(spec.notes)})
+        print_json({**asdict(kb), "attention": spec.attention_kind, "notes": list(spec.notes)})
         return 0
     print(spec.describe())
     print(tabulate([(sym, meaning, f"{value:,}") for sym, meaning, value, _ in kb.terms()],

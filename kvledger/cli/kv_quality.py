@@ -21,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--text", default=None, metavar="FILE",
                    help="UTF-8 text (default: the Python language reference shipped with Python)")
     p.add_argument("--kv-cache-dtype", nargs="+", action="extend", choices=QUANTIZED, metavar="D", dest="kinds",
-                   help=f"8-bit kinds to compare with the unquantized cache (default: int8 fp8_e4m3 fp8_e5m2)")
+                   help="8-bit kinds to compare with the unquantized cache (default: int8 fp8_e4m3 fp8_e5m2)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="model dtype, also the reference cache's (default float32)")
     p.add_argument("--max-tokens", type=positive_int, default=6400, help="tokens of the text to read (default 6400)")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from kvledger.errors import KVLedgerError
 
@@ -33,7 +33,7 @@ SUBCOMMANDS = [
 class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line: what was wrong and where to look."""
 
-    def error(self, message: str) -> "NoReturn":  # type: ignore[name-defined]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 from typing import Any
 
 from kvledger.cli.common import add_kv_cache_dtype, fraction, positive_int, print_json, rate, size
@@ -101,7 +102,7 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     conversation = args.context or 8192
     out: dict[str, Any] = {
         "model": spec.name, "gpu": gpu.name, "gpu_full_name": gpu.full_name, "compute_capability": gpu.compute_capability,
-        **{k: v for k, v in wall.to_dict().items() if k not in ("model", "gpu")},
+        **{k: v for k, v in asdict(wall).items() if k not in ("model", "gpu")},
         "kv_pool_gib": wall.kv_pool_bytes / 2**30, "weights_gib": wall.weights_bytes / 2**30,
         "users_per_context": users,
         "useful_work": {t: useful_work(n) for t, n in users.items()},
@@ -124,7 +125,7 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     if args.users:
         kv = bw.kv_read_bytes(spec, wall.kv_cache_dtype, args.users, args.context, wall.tensor_parallel_size)
         step = bw.decode_step(wall.weights_bytes, kv, args.users, args.context, bandwidth)
-        out.update({k: v for k, v in step.to_dict().items() if k not in ("users", "context")})
+        out.update({k: v for k, v in asdict(step).items() if k not in ("users", "context")})
         out.update(users=args.users, context=args.context,
                    load_fits=args.users <= users_at(spec, wall, args.context))
     if args.workload:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 
 from kvledger.cli.common import positive_int, print_json
 
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
                        rope=args.rope, seed=args.seed, tolerance=args.tolerance)
     result = run_verify(cfg)
     if args.json:
-        print_json(result.to_dict())
+        print_json(asdict(result))
     else:
         kind = "MHA" if cfg.heads == cfg.kv_heads else ("MQA" if cfg.kv_heads == 1 else "GQA")
         print(f"{cfg.layers} layer(s), {cfg.heads} query head(s) over {cfg.kv_heads} KV head(s) ({kind}), d_h {cfg.head_dim}, "

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -70,6 +69,3 @@ class KVLedger:
     kv_cache_dtype: str = "float32"
     scale_bytes_per_token: int = 0
     scale_bytes: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)

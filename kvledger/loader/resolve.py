@@ -93,7 +93,6 @@ def converted_dir(checkpoint: Checkpoint) -> Path:
     target = cache_dir() / f"{gguf_path.stem}-{_fingerprint(gguf_path)}"
     if (target / "complete").is_file():
         return target
-    import numpy as np  # noqa: F401 - imported for clarity of dependencies
     import torch
     from safetensors.torch import save_file
     from transformers import AutoTokenizer

@@ -19,7 +19,7 @@ hardware, product changes). FP8 KV is never offered on a card below SM 8.9.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvledger.errors import KVLedgerError
@@ -59,9 +59,6 @@ class Lever:
     cost: str
     detail: str
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass
 class Advice:
@@ -82,11 +79,6 @@ class Advice:
     prefix_share_of_pool: float
     levers: list[Lever] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["levers"] = [lever.to_dict() for lever in self.levers]
-        return out
 
 
 def _users(spec: ModelSpec, wall: MemoryWall, tokens: int, shared_prefix: int = 0) -> int:

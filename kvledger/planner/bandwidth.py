@@ -14,8 +14,7 @@ benchmark: fused kernels beat parts of it. All bytes are per rank (one card).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 from kvledger.planner.gpus import GPU
 from kvledger.spec import ModelSpec, kv_bytes
@@ -39,9 +38,6 @@ class DecodeStep:
     tokens_per_s: float
     tokens_per_s_per_user: float
     kv_byte_share: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def effective_bandwidth(gpu: GPU, bandwidth: float | None = None,

@@ -19,8 +19,7 @@ All sizes are bytes; under tensor parallelism everything is per rank (one card).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 from kvledger.errors import KVLedgerError
 from kvledger.planner.gpus import GPU, check_kv_dtype_supported
@@ -142,9 +141,6 @@ class MemoryWall:
     def token_bytes(self) -> int:
         """What one cached token costs on one rank: elements plus scales."""
         return self.bytes_per_token + self.scale_bytes_per_token
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def plan_memory(

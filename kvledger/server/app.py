@@ -18,7 +18,7 @@ import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -154,7 +154,29 @@ class Serving:
         except EngineDeadError as err:
             raise APIError(500, str(err)) from None
 
-    # --- collecting without streaming ---------------------------------------------------------
+    # --- answering ------------------------------------------------------------------------------
+
+    def stream_response(self, stream: RequestStream, chunks: Callable[[Any], Iterator[str]],
+                        usage: Callable[[int], str] | None, first: str | None = None) -> EngineStreamingResponse:
+        """Server-sent events: ``first`` (if any), ``chunks(delta)`` for every engine delta, the
+        ``usage(completion_tokens)`` event when asked for, then ``[DONE]``. An engine failure
+        becomes an error event; the request is aborted however the stream ends."""
+        async def events() -> AsyncIterator[str]:
+            n_out = 0
+            if first is not None:
+                yield first
+            try:
+                async for d in stream:
+                    n_out = d.num_output_tokens
+                    for event in chunks(d):
+                        yield event
+            except EngineDeadError as err:
+                yield _error_event(err)
+            if usage is not None:
+                yield usage(n_out)
+            yield "data: [DONE]\n\n"
+
+        return EngineStreamingResponse(events(), lambda: self.aengine.abort(stream.request_id))
 
     async def collect(self, stream: RequestStream, request: Request) -> tuple[str, int, str] | None:
         """All the text of a request; None (and the request aborted) if the client disconnects first."""
@@ -295,22 +317,16 @@ def create_app(aengine: AsyncEngine, config: ServerConfig) -> FastAPI:
         created = now()
 
         if req.stream:
-            async def events() -> AsyncIterator[str]:
-                n_out = 0
-                try:
-                    async for d in stream:
-                        n_out = d.num_output_tokens
-                        if d.text or d.finished:
-                            yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[
-                                CompletionChoice(text=d.text, finish_reason=d.finish_reason)]))
-                except EngineDeadError as err:
-                    yield _error_event(err)
-                if req.include_usage:
-                    yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[],
-                                                 usage=_usage(len(ids), n_out)))
-                yield "data: [DONE]\n\n"
+            def chunks(d: Any) -> Iterator[str]:
+                if d.text or d.finished:
+                    yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[
+                        CompletionChoice(text=d.text, finish_reason=d.finish_reason)]))
 
-            return EngineStreamingResponse(events(), lambda: aengine.abort(rid))
+            def usage(n_out: int) -> str:
+                return sse(CompletionResponse(id=rid, created=created, model=model, choices=[],
+                                              usage=_usage(len(ids), n_out)))
+
+            return serving.stream_response(stream, chunks, usage if req.include_usage else None)
 
         collected = await serving.collect(stream, request)
         if collected is None:
@@ -344,24 +360,18 @@ def create_app(aengine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 return sse(ChatCompletionChunk(id=rid, created=created, model=model,
                                                choices=[ChatChunkChoice(delta=delta, finish_reason=reason)]))
 
-            async def events() -> AsyncIterator[str]:
-                n_out = 0
-                yield chunk(DeltaMessage(role="assistant", content=""))
-                try:
-                    async for d in stream:
-                        n_out = d.num_output_tokens
-                        if d.text:
-                            yield chunk(DeltaMessage(content=d.text))
-                        if d.finished:
-                            yield chunk(DeltaMessage(), d.finish_reason)
-                except EngineDeadError as err:
-                    yield _error_event(err)
-                if req.include_usage:
-                    yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
-                                                  usage=_usage(len(ids), n_out)))
-                yield "data: [DONE]\n\n"
+            def chunks(d: Any) -> Iterator[str]:
+                if d.text:
+                    yield chunk(DeltaMessage(content=d.text))
+                if d.finished:
+                    yield chunk(DeltaMessage(), d.finish_reason)
 
-            return EngineStreamingResponse(events(), lambda: aengine.abort(rid))
+            def usage(n_out: int) -> str:
+                return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+                                               usage=_usage(len(ids), n_out)))
+
+            return serving.stream_response(stream, chunks, usage if req.include_usage else None,
+                                           first=chunk(DeltaMessage(role="assistant", content="")))
 
         collected = await serving.collect(stream, request)
         if collected is None:

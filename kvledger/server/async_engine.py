@@ -18,7 +18,7 @@ import asyncio
 import collections
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from kvledger.errors import KVLedgerError
@@ -282,7 +282,7 @@ class AsyncEngine:
         self._pending_aborts.clear()
 
     def _take_snapshot(self, force_sample: bool = False) -> None:
-        snap = self.engine.ledger().to_dict()
+        snap = asdict(self.engine.ledger())
         snap["engine_num_waiting"] = snap["num_waiting"]
         self._snapshot = snap
         self._added_since_snapshot = 0

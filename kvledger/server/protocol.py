@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -28,9 +28,6 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
-def _no_op(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"'{name}'={value!r} is not supported (only {' or '.join(map(repr, allowed))})")
 
 
 class _SamplingFields(_Strict):
@@ -58,22 +55,17 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     repetition_penalty: float | None = 1.0
 
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v: int) -> int:
-        _no_op("n", v, (1,))
-        return v
+    NO_OPS: ClassVar[dict[str, tuple]] = {
+        "n": (1,), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
+    }
+    """Fields accepted only at the values that change nothing, by name."""
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("*")
     @classmethod
-    def _penalty(cls, v: float | None, info) -> float | None:
-        _no_op(info.field_name, v, (None, 0, 0.0))
-        return v
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _rep(cls, v: float | None) -> float | None:
-        _no_op("repetition_penalty", v, (None, 1, 1.0))
+    def _no_op_only(cls, v: Any, info) -> Any:
+        allowed = cls.NO_OPS.get(info.field_name)
+        if allowed is not None and v not in allowed:
+            raise ValueError(f"'{info.field_name}'={v!r} is not supported (only {' or '.join(map(repr, allowed))})")
         return v
 
     @field_validator("logit_bias")
@@ -122,29 +114,7 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, v: bool) -> bool:
-        _no_op("echo", v, (False,))
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v: int | None) -> int | None:
-        _no_op("logprobs", v, (None,))
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, v: int | None) -> int | None:
-        _no_op("best_of", v, (None, 1))
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, v: str | None) -> str | None:
-        _no_op("suffix", v, (None,))
-        return v
+    NO_OPS = {**_SamplingFields.NO_OPS, "echo": (False,), "logprobs": (None,), "best_of": (None, 1), "suffix": (None,)}
 
     @field_validator("prompt")
     @classmethod
@@ -193,29 +163,14 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v: bool | None) -> bool | None:
-        _no_op("logprobs", v, (None, False))
-        return v
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, v: int | None) -> int | None:
-        _no_op("top_logprobs", v, (None,))
-        return v
+    NO_OPS = {**_SamplingFields.NO_OPS, "logprobs": (None, False), "top_logprobs": (None,),
+              "tool_choice": (None, "none")}
 
     @field_validator("tools")
     @classmethod
     def _tools(cls, v: list | None) -> list | None:
         if v:
             raise ValueError("'tools' is not supported (no tool calling)")
-        return v
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice(cls, v: Any) -> Any:
-        _no_op("tool_choice", v, (None, "none"))
         return v
 
     @field_validator("response_format")
@@ -306,18 +261,28 @@ class UsageInfo(BaseModel):
     total_tokens: int
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
+    """What every choice has; the subclasses add its text, message or delta."""
+
     index: int = 0
-    text: str
     logprobs: None = None
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
+class _Response(BaseModel):
+    """What every completion response and stream chunk has besides ``object`` and ``choices``."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+
+
+class CompletionChoice(_Choice):
+    text: str
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
@@ -327,18 +292,12 @@ class ChatResponseMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int = 0
+class ChatChoice(_Choice):
     message: ChatResponseMessage
-    logprobs: None = None
-    finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: UsageInfo
 
@@ -348,18 +307,12 @@ class DeltaMessage(BaseModel):
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
-    index: int = 0
+class ChatChunkChoice(_Choice):
     delta: DeltaMessage
-    logprobs: None = None
-    finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
 

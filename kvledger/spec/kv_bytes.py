@@ -15,8 +15,7 @@ Extensions the chapter's formula needs on real models, each keeping the seven te
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 from kvledger.errors import KVLedgerError
 from kvledger.spec.dtypes import KV_CACHE_DTYPE_BYTES, resolve_kv_cache_dtype
@@ -102,9 +101,6 @@ class KVBytes:
             ("d_h", head_meaning, self.head_dim, "elements"),
             ("s", f"bytes per element ({self.kv_cache_dtype})", self.element_bytes, "bytes"),
         ]
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def kv_bytes(
