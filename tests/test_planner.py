@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from kvledger.errors import KVLedgerError
 from kvledger.planner import bandwidth as bw
 from kvledger.planner.gpus import CATALOG, get_gpu, gpus
-from kvledger.planner.memory_wall import (check_max_model_len, max_fitting_length, num_blocks, plan_memory,
+from kvledger.planner.memory_wall import (check_max_model_len, max_fitting_length, plan_memory,
                                           sequence_blocks, users_at)
 from kvledger.spec import load_model_spec, weights_bytes
 
@@ -170,6 +170,17 @@ def test_sliding_window_sequences_cost_less():
     assert users_at(spec, wall, 2048) == wall.num_blocks // (2048 // wall.block_size)
 
 
+def test_int8_scales_of_a_sliding_window_model_cover_the_window_only():
+    """Mistral-7B-v0.1 slides every layer over 4,096 tokens: a 32K sequence holds 4,096 tokens per
+    layer, elements and int8 scales alike, and the bandwidth model reads the same bytes."""
+    spec = load_model_spec("mistral-7b-v0.1")
+    wall = plan_memory(spec, get_gpu("a100-80gb"), kv_cache_dtype="int8")
+    per_layer_token = 2 * 8 * 128 * 1 + 2 * 8 * 2  # K and V: int8 elements, then a float16 scale per head
+    seq_bytes = 32 * 4096 * per_layer_token
+    assert sequence_blocks(spec, wall, 32768) == -(-seq_bytes // wall.block_bytes)
+    assert bw.kv_read_bytes(spec, "int8", users=3, context=32768) == 3 * seq_bytes
+
+
 # ------------------------------------------------------------------------------ properties
 @settings(max_examples=200, deadline=None)
 @given(pool=st.integers(0, 10**12), block=st.sampled_from([1, 8, 16, 32, 128]), layers=st.integers(1, 128),
@@ -181,7 +192,7 @@ def test_num_blocks_is_the_largest_count_that_fits(pool, block, layers, kv_heads
     spec = ModelSpec.from_config_dict({"num_hidden_layers": layers, "num_attention_heads": kv_heads,
                                        "num_key_value_heads": kv_heads, "head_dim": head_dim, "hidden_size": 64})
     kvb = kv_bytes(spec, dtype)
-    n = num_blocks(pool, block, kvb)
+    n = kvb.num_blocks(pool, block)
     if n:
         assert kvb.pool_bytes(n, block) <= pool
     assert kvb.pool_bytes(n + 1, block) > pool

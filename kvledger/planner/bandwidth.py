@@ -48,8 +48,7 @@ def effective_bandwidth(gpu: GPU, bandwidth: float | None = None,
 
 def kv_read_bytes(spec: ModelSpec, kv_cache_dtype: str, users: int, context: int, tensor_parallel_size: int = 1) -> int:
     """KV bytes one step reads on one rank: Eq 2.2 for ``users`` x ``context`` plus scales."""
-    kvb = kv_bytes(spec, kv_cache_dtype, tokens=context, batch=users, tensor_parallel_size=tensor_parallel_size)
-    return kvb.total_bytes + kvb.scale_bytes_per_token * users * context
+    return kv_bytes(spec, kv_cache_dtype, tokens=context, batch=users, tensor_parallel_size=tensor_parallel_size).slot_bytes
 
 
 def decode_step(weights_bytes: int, kv_bytes_per_step: int, users: int, context: int, bandwidth: float) -> DecodeStep:

@@ -98,12 +98,6 @@ def default_overheads(spec: ModelSpec, tensor_parallel_size: int = 1,
     )
 
 
-def num_blocks(pool_bytes: int, block_size: int, kvb: KVBytes) -> int:
-    """Blocks of ``block_size`` tokens that fit in ``pool_bytes`` (per rank, scales included):
-    :meth:`KVBytes.num_blocks`, the same arithmetic the engine sizes its block pool with."""
-    return kvb.num_blocks(pool_bytes, block_size) if pool_bytes > 0 else 0
-
-
 @dataclass(frozen=True)
 class MemoryWall:
     """One card's memory, term by term, and the KV capacity it leaves. Bytes per rank."""
@@ -195,7 +189,7 @@ def plan_memory(
             raise KVLedgerError(_does_not_fit(spec, gpu, weights, all_weights, terms.total, requested, tp,
                                               gpu_memory_utilization, weights_dtype))
     token_bytes = kvb.token_bytes
-    blocks = num_blocks(pool, block_size, kvb)
+    blocks = kvb.num_blocks(pool, block_size)  # the engine sizes its block pool with the same call
     if blocks == 0:
         raise KVLedgerError(f"the KV pool ({pool:,} bytes) holds not even one block of {block_size} tokens "
                             f"({block_size * token_bytes:,} bytes); give the cache more memory")
@@ -240,8 +234,7 @@ def sequence_blocks(spec: ModelSpec, wall: MemoryWall, tokens: int) -> int:
     if not wall.num_sliding_layers or not wall.sliding_window or tokens <= wall.sliding_window:
         return padded // wall.block_size
     kvb = kv_bytes(spec, wall.kv_cache_dtype, tokens=padded, tensor_parallel_size=wall.tensor_parallel_size)
-    seq = kvb.total_bytes + wall.scale_bytes_per_token * padded
-    return math.ceil(seq / wall.block_bytes)
+    return math.ceil(kvb.slot_bytes / wall.block_bytes)
 
 
 def users_at(spec: ModelSpec, wall: MemoryWall, tokens: int) -> int:

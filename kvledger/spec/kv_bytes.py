@@ -79,14 +79,10 @@ class KVBytes:
         return num_blocks * block_size * self.token_bytes + self.scale_bytes_fixed
 
     @property
-    def per_layer_token_bytes(self) -> int:
-        """``kv_factor . H_kv . d_h . s``: one token in one layer."""
-        return self.kv_factor * self.kv_heads * self.head_dim * self.element_bytes
-
-    def cached_tokens(self) -> tuple[int, int]:
-        """(tokens held by a full layer, tokens held by a sliding layer) per sequence."""
-        sliding = min(self.tokens, self.sliding_window) if self.sliding_window else self.tokens
-        return self.tokens, sliding
+    def slot_bytes(self) -> int:
+        """Per rank: the bytes the ``B x T`` tokens occupy, Eq 2.2's elements plus their per-token
+        scales, sliding layers holding only their window (fixed per-layer scales left out)."""
+        return self.total_bytes + self.total_scale_bytes - self.scale_bytes_fixed
 
     def terms(self) -> list[tuple[str, str, int, str]]:
         """The seven terms as (symbol, meaning, value, unit) rows."""
