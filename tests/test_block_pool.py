@@ -79,3 +79,22 @@ def test_prefix_caching_off_never_caches():
 def test_empty_pool_is_an_error():
     with pytest.raises(KVLedgerError):
         BlockPool(0)
+
+
+def test_uncache_and_reset_keep_the_cached_free_count():
+    pool = BlockPool(4)
+    a, b, c, d = pool.allocate(4)
+    ha, hb, hc = (hash_block(None, [t]) for t in (1, 2, 3))
+    assert pool.cache(a, ha) and pool.cache(b, hb) and pool.cache(c, hc)
+    pool.free([d, c, b, a])  # free queue: d (no prefix, front), then c, b, a
+    assert pool.num_cached_free_blocks == 3
+    pool.uncache([b, d])  # d has no prefix: nothing to forget
+    assert pool.num_cached_free_blocks == 2 and pool.lookup(hb) is None
+    pool.check_integrity({})
+    assert pool.allocate(2) == [b, d]  # b lost its prefix, so it is reused first
+    pool.touch([pool.lookup(ha)])  # a hit takes a out of the free queue
+    assert pool.num_cached_free_blocks == 1  # c
+    pool.reset_prefix_cache()
+    assert pool.num_cached_free_blocks == 0 and pool.lookup(hc) is None
+    assert pool.lookup(ha) == a  # owned blocks keep their prefix
+    pool.check_integrity({"x": [b, d], "y": [a]})

@@ -38,3 +38,17 @@ def test_generate_bad_input_is_one_line():
     assert_one_line_error(kvledger("generate", "hi", "--model", "/nonexistent/model"), "not found")
     assert_one_line_error(kvledger("generate", "hi", "--max-tokens", "9000", "--kv-cache-memory", "64MiB"),
                           "max-model-len")
+
+
+def test_engine_flags_become_the_engine_config():
+    import argparse
+
+    from kvledger.engine.config import EngineConfig, add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--block-size", "32", "--no-enable-prefix-caching", "--kv-cache-memory", "64MiB",
+                              "--max-model-len", "512", "--kv-cache-dtype", "int8"])
+    config = engine_config_from_args(args)
+    assert config == EngineConfig(block_size=32, enable_prefix_caching=False, kv_cache_memory=64 * 2**20,
+                                  max_model_len=512, kv_cache_dtype="int8")

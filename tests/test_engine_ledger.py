@@ -94,3 +94,59 @@ def test_pool_smaller_than_one_request_is_rejected():
         llm.generate([[5] * 60], SamplingParams(max_tokens=10))
     with pytest.raises(KVLedgerError, match="blocks"):
         LLM(model="smollm2-135m", num_gpu_blocks_override=4, block_size=16, max_model_len=100)
+
+
+def test_shared_prefix_blocks_count_once_in_tokens_used(engine_llm):
+    """Two identical 40-token prompts admitted in one step: the second hits the first's two full
+    blocks (hashed that step) and computes its last 8 tokens itself. By hand: blocks 2 shared + 1 + 1
+    = 4 allocated; tokens 32 shared + 8 + 8 = 48; waste 4 * 16 - 48 = 16."""
+    engine = engine_llm.llm_engine
+    prompt = list(range(4000, 4040))
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    engine.add_request("shared-a", prompt, sp)
+    engine.add_request("shared-b", prompt, sp)
+    engine.step()
+    ledger = engine.ledger()
+    assert (ledger.num_running, ledger.blocks_allocated, ledger.tokens_used, ledger.waste_tokens) == (2, 4, 48, 16)
+    engine.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_integrity()
+
+
+def test_failed_step_aborts_its_requests_and_leaves_no_unwritten_prefix(engine_llm):
+    """A step whose model run raises: its requests are aborted, the blocks it hashed but never
+    wrote leave the prefix cache, a request it did not schedule carries on, and the same prompts
+    afterwards give the tokens they gave before (computed afresh, no cache hit)."""
+    engine = engine_llm.llm_engine
+    p, q, r = list(range(3000, 3040)), list(range(3100, 3140)), list(range(3200, 3220))
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    before = [o.outputs[0].token_ids for o in engine_llm.generate([p, q, r], sp, use_tqdm=False)]
+    engine.pool.reset_prefix_cache()  # the failing step hashes these prompts' blocks anew
+
+    def fail_once(*args, **kwargs):
+        del engine.runner.execute  # back to the real method for the next step
+        raise RuntimeError("injected fault")
+
+    # budget 64 tokens: p (40) and the first 24 of q (one full block) are scheduled, r waits
+    for rid, prompt in (("fail-p", p), ("fail-q", q), ("fail-r", r)):
+        engine.add_request(rid, prompt, sp)
+    engine.runner.execute = fail_once
+    try:
+        with pytest.raises(RuntimeError, match="injected fault"):
+            engine.step()
+    finally:
+        engine.runner.__dict__.pop("execute", None)
+    assert set(engine.requests) == {"fail-r"}
+    engine.check_integrity()
+    assert engine.ledger().blocks_allocated == 0
+    tokens = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+        engine.check_integrity()
+    assert tokens == before[2]
+    after = engine_llm.generate([p, q], sp, use_tqdm=False)
+    assert [o.num_cached_tokens for o in after] == [0, 0]
+    assert [o.outputs[0].token_ids for o in after] == before[:2]
+    engine.check_integrity()

@@ -71,3 +71,22 @@ def test_family_matches_transformers(tmp_path, case):
         assert diff < 1e-3, f"{case}: logits differ by {diff}"
     batch = llm.generate(prompts, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True), use_tqdm=False)
     assert [len(b.outputs[0].token_ids) for b in batch] == [new] * 3
+
+
+def test_missing_checkpoint_tensors_are_all_named_in_one_error():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvledger.errors import KVLedgerError
+    from kvledger.models.llama import LlamaForCausalLM
+
+    config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+    state = AutoModelForCausalLM.from_config(config).state_dict()
+    model = LlamaForCausalLM(config.to_dict())
+    model.load_hf_state_dict(state)  # complete: loads
+    del state["model.layers.1.self_attn.o_proj.weight"], state["model.layers.0.mlp.up_proj.weight"]
+    with pytest.raises(KVLedgerError) as err:
+        model.load_hf_state_dict(state)
+    message = str(err.value)
+    assert "lacks 2 tensors" in message and "\n" not in message
+    assert "layers.1.self_attn.o_proj.weight" in message and "layers.0.mlp.up_proj.weight" in message

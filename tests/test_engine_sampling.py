@@ -84,3 +84,44 @@ def test_bad_sampling_params_are_one_line_errors():
         SamplingParams(top_p=0)
     with pytest.raises(KVLedgerError):
         SamplingParams(max_tokens=0)
+
+
+def test_greedy_and_sampled_rows_in_one_batch_match_their_runs_alone(engine_llm):
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=5)
+    alone = [engine_llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0].token_ids for sp in (greedy, seeded)]
+    mixed = engine_llm.generate([PROMPT, PROMPT, "Hello"], [greedy, seeded, greedy], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == alone
+
+
+def test_every_step_output_keeps_what_that_step_saw(engine_llm):
+    """Outputs read only after the request finished: each one's cumulative token ids and text are
+    the deltas up to its own step (the stop string makes the text lag behind by its length - 1)."""
+    engine = engine_llm.llm_engine
+    tokenizer = engine_llm.get_tokenizer()
+    engine.add_request("snapshots", tokenizer.encode(PROMPT), SamplingParams(max_tokens=12, temperature=0, stop=["zzz"]))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert len(outputs) == 12 and outputs[-1].finished and not outputs[0].finished
+    ids, text = [], ""
+    for out in outputs:
+        ids += out.new_token_ids
+        text += out.text_delta
+        assert (out.outputs[0].token_ids, out.outputs[0].text) == (ids, text)
+    assert len(outputs[0].outputs[0].token_ids) == 1
+
+
+def test_engine_seed_makes_unseeded_sampling_reproducible():
+    """Two engines with the same --seed draw the same tokens for requests without a seed of their own."""
+    from kvledger import LLM
+
+    sp = SamplingParams(max_tokens=12, temperature=1.0)
+
+    def draws(seed):
+        llm = LLM(model="smollm2-135m", seed=seed, kv_cache_memory="16MiB")
+        return [o.outputs[0].token_ids for o in llm.generate([PROMPT, PROMPT], sp, use_tqdm=False)]
+
+    first, second = draws(7), draws(7)
+    assert first == second
+    assert first[0] != first[1]  # one generator, two different draws: it does sample

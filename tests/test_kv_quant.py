@@ -112,7 +112,7 @@ def test_decode_attention_with_folded_scales_equals_attention_over_dequantized_k
     dequantized K/V the cache gathers."""
     import torch.nn.functional as F
 
-    from kvledger.layers.attention import decode_attention
+    from kvledger.layers.attention import DecodeGroup, decode_attention
 
     torch.manual_seed(0)
     heads, kv_heads, head_dim, bs = 4, 2, 8, 2
@@ -123,7 +123,8 @@ def test_decode_attention_with_folded_scales_equals_attention_over_dequantized_k
                        for b, n in enumerate(lengths)])
     k_new, v_new = torch.randn(8, kv_heads, head_dim) * 3, torch.randn(8, kv_heads, head_dim)
     cache.write(0, k_new.to(compute_dtype), v_new.to(compute_dtype), slots)
-    mask = (torch.arange(5)[None, :] < torch.tensor(lengths)[:, None]).view(2, 1, 1, 5)
+    mask = DecodeGroup.padding_mask(torch.tensor(lengths), 5, compute_dtype)
+    assert mask[1, 0, 0].tolist() == [0, 0, 0, float("-inf"), float("-inf")]  # 3 tokens, 2 padded
     q = torch.randn(2, heads, head_dim).to(compute_dtype)
     kv = cache.gather_decode(0, block_tables, 5)
     assert kv.has_scales == (kind not in ("float32", "bfloat16"))  # 8-bit caches leave the scales to attention

@@ -25,6 +25,11 @@ BlockHash = bytes
 _ROOT_HASH = b"kvledger-prefix-root"
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks of ``block_size`` tokens that hold ``num_tokens`` tokens (rounded up)."""
+    return -(-num_tokens // block_size)
+
+
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> BlockHash:
     """SHA-256 of (parent hash, token ids, extra keys): the identity of a full block and its prefix."""
     h = hashlib.sha256(parent or _ROOT_HASH)
@@ -52,6 +57,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
+        self._num_cached_free = 0  # free blocks that still carry a hash, kept up to date by every change
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -62,11 +68,7 @@ class BlockPool:
     @property
     def num_cached_free_blocks(self) -> int:
         """Free blocks that still hold a cached prefix (reusable on a hit, evictable on demand)."""
-        return sum(1 for i in self._free if self.blocks[i].block_hash is not None)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
+        return self._num_cached_free
 
     def lookup(self, block_hash: BlockHash) -> int | None:
         """The block holding ``block_hash``, if cached."""
@@ -82,6 +84,7 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
+                self._num_cached_free -= 1
                 del self._cached[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
@@ -94,6 +97,8 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
                 del self._free[block_id]
+                if block.block_hash is not None:
+                    self._num_cached_free -= 1
             block.ref_cnt += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -112,6 +117,8 @@ class BlockPool:
                 self._free[block_id] = None
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
+                else:
+                    self._num_cached_free += 1
 
     def cache(self, block_id: int, block_hash: BlockHash) -> bool:
         """Register a full, owned block under ``block_hash``; False if that prefix is already cached."""
@@ -122,7 +129,22 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self._cached[block_hash] = block_id
+        if block.ref_cnt == 0:
+            self._num_cached_free += 1
         return True
+
+    def uncache(self, block_ids: Iterable[int]) -> None:
+        """Forget the cached prefixes of these blocks (their K/V is not what the hash says); a
+        free one moves to the front of the free queue, like any block without a prefix."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is None:
+                continue
+            del self._cached[block.block_hash]
+            block.block_hash = None
+            if block.ref_cnt == 0:
+                self._num_cached_free -= 1
+                self._free.move_to_end(block_id, last=False)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix held by a free block."""
@@ -131,6 +153,7 @@ class BlockPool:
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
                 block.block_hash = None
+        self._num_cached_free = 0
 
     # ---- checks -----------------------------------------------------------------------------
     def check_integrity(self, owners: Mapping[str, Sequence[int]]) -> None:
@@ -138,7 +161,8 @@ class BlockPool:
 
         Every block is free xor owned; each reference count equals the number of block tables
         that hold it; no table holds a block twice; every cache entry points at a block that
-        carries that hash, and every hashed block is in the cache.
+        carries that hash, and every hashed block is in the cache; the count of cached free
+        blocks is right.
         """
         counts = [0] * self.num_blocks
         for request_id, table in owners.items():
@@ -146,7 +170,6 @@ class BlockPool:
             for block_id in table:
                 assert 0 <= block_id < self.num_blocks, f"request {request_id} holds unknown block {block_id}"
                 counts[block_id] += 1
-        assert len(self._free) == len(set(self._free)), "free queue has duplicates"
         for block in self.blocks:
             assert block.ref_cnt == counts[block.block_id], (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but {counts[block.block_id]} owners")
@@ -156,3 +179,6 @@ class BlockPool:
                 assert self._cached.get(block.block_hash) == block.block_id, f"block {block.block_id} hash not in cache"
         for block_hash, block_id in self._cached.items():
             assert self.blocks[block_id].block_hash == block_hash, f"cache entry for block {block_id} is stale"
+        cached_free = sum(1 for i in self._free if self.blocks[i].block_hash is not None)
+        assert self._num_cached_free == cached_free, (
+            f"{self._num_cached_free} cached free blocks counted, {cached_free} in the free queue")

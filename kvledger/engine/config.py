@@ -5,6 +5,8 @@ Sizes: ``kv_cache_memory`` is bytes for the KV block pool (an int, or a string s
 (vLLM's ``--gpu-memory-utilization`` default) and the CPU takes ``CPU_KV_CACHE_SHARE`` (10%)
 of the RAM available at start-up, at most ``CPU_KV_CACHE_MAX`` (4 GiB, vLLM's CPU default).
 Token counts (``max_model_len``, ``max_num_batched_tokens``, ``block_size``) are in tokens.
+``seed`` seeds the draws of sampled requests that carry no seed of their own (None: torch's
+global generator decides).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None
     kv_cache_dtype: str = "auto"
     num_gpu_blocks_override: int | None = None
-    seed: int = 0
+    seed: int | None = 0
     tokenizer: str | None = None
 
     def __post_init__(self) -> None:
@@ -88,11 +90,10 @@ def add_engine_args(parser: Any) -> None:
                    help="exact number of KV blocks (overrides --kv-cache-memory)")
 
 
+#: EngineConfig fields without an engine flag (``generate --seed`` is the sampling seed, not ``seed``).
+_NO_FLAG = ("seed", "tokenizer")
+
+
 def engine_config_from_args(args: Any) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
-        kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-    )
+    """The :class:`EngineConfig` of the flags :func:`add_engine_args` added (same names)."""
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name not in _NO_FLAG})

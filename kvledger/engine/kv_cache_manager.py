@@ -3,14 +3,15 @@
 ``allocate_slots`` gives a request the blocks for its next tokens and registers every block
 that those tokens fill in the prefix cache right away: in a step, every layer writes all new
 K/V before any attention reads, so a request admitted in the same step may already share
-them. Only full blocks are hashed and shared; a request's last, partly filled block is its own.
+them (if the step fails, :meth:`KVCacheManager.uncache_unwritten` takes them back out). Only
+full blocks are hashed and shared; a request's last, partly filled block is its own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvledger.engine.block_pool import BlockHash, BlockPool, hash_block
+from kvledger.engine.block_pool import BlockHash, BlockPool, blocks_for, hash_block
 from kvledger.engine.sequence import Request
 
 
@@ -65,7 +66,7 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def num_blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
         """Blocks for tokens up to ``num_computed_tokens (+ cached) + num_new_tokens``; False if the pool is short.
@@ -107,6 +108,20 @@ class KVCacheManager:
             self.pool.cache(table[i], hashes[i])
         self._num_cached[rid] = full
 
+    def uncache_unwritten(self, request: Request, num_new_tokens: int) -> None:
+        """Drop the prefix-cache entries of the blocks that the request's next ``num_new_tokens``
+        tokens fill: for a step that failed before writing their K/V.
+
+        Those are the blocks ``[num_computed_tokens // block_size, (num_computed_tokens +
+        num_new_tokens) // block_size)`` of its table, hashed when the step was scheduled (the
+        first may hold tokens of earlier steps, but only became full now); the blocks before
+        them were full and written already (earlier steps, or prefix-cache hits).
+        """
+        table = self.block_tables.get(request.request_id, [])
+        first = request.num_computed_tokens // self.block_size
+        end = (request.num_computed_tokens + num_new_tokens) // self.block_size
+        self.pool.uncache(table[first:end])
+
     def record_admission(self, request: Request, num_hit_tokens: int) -> None:
         """Count an admission in the prefix-cache stats (queries and hits in tokens)."""
         if self.enable_caching:
@@ -114,12 +129,13 @@ class KVCacheManager:
             self.stats.hits += num_hit_tokens
 
     def free(self, request: Request) -> None:
-        """Return a request's blocks to the pool, tail first so shared prefixes are evicted last."""
+        """Return a request's blocks to the pool, tail first so shared prefixes are evicted last.
+
+        Its memoised block hashes stay (a preempted request is admitted again); :meth:`forget`
+        drops them when it leaves the engine."""
         table = self.block_tables.pop(request.request_id, [])
         self.pool.free(reversed(table))
         self._num_cached.pop(request.request_id, None)
-        if request.is_finished:
-            self._hashes.pop(request.request_id, None)
 
     def forget(self, request_id: str) -> None:
         """Drop memoised hashes of a request that left the engine."""

@@ -5,16 +5,19 @@ awaits):
 
 * ``add_request(request_id, prompt_token_ids, sampling_params)`` queues a request, or raises
   :class:`KVLedgerError` at once, with the numbers, if it could never fit (prompt + max_tokens
-  over ``max_model_len``, or more blocks than the whole pool);
+  over ``max_model_len``; the pool always holds ``max_model_len`` tokens);
 * ``abort_request(request_id)`` ends it and returns its blocks to the pool immediately;
 * ``step()`` schedules and runs one batch and returns a :class:`RequestOutput` for every
   request that produced a token (``new_token_ids``, ``text_delta``, ``finished``,
-  ``finish_reason``); stop strings are applied here, the text cut before them as in vLLM;
+  ``finish_reason``); stop strings are applied here, the text cut before them as in vLLM. If
+  the model raises, the requests of that step are aborted, the prefix-cache entries of the
+  blocks it was to write are dropped, and the error propagates; other requests carry on;
 * ``has_unfinished_requests()`` and ``ledger()`` (live :class:`KVLedger` numbers).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -29,12 +32,11 @@ from kvledger.engine.model_runner import ModelRunner
 from kvledger.engine.outputs import CompletionOutput, KVLedger, RequestOutput
 from kvledger.engine.sampler import sample
 from kvledger.engine.sampling_params import SamplingParams
-from kvledger.engine.scheduler import Scheduler
+from kvledger.engine.scheduler import Scheduler, SchedulerOutput
 from kvledger.engine.sequence import Request
 from kvledger.errors import KVLedgerError
+from kvledger.layers.paged_kv import TORCH_DTYPES
 from kvledger.layers.quantized_kv import make_kv_cache
-
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def available_ram_bytes() -> int:
@@ -72,7 +74,7 @@ class LLMEngine:
         self.config = config
         self.device = _pick_device(config.device)
         dtype_name = "float32" if config.dtype == "auto" else config.dtype
-        self.dtype = _TORCH_DTYPES[dtype_name]
+        self.dtype = TORCH_DTYPES[dtype_name]
         checkpoint = resolve_model(config.model)
         self.model_name = checkpoint.name
         model_dir = converted_dir(checkpoint)
@@ -101,7 +103,8 @@ class LLMEngine:
             if self.max_model_len > max_pos:
                 raise KVLedgerError(f"--max-model-len {self.max_model_len} exceeds the model's "
                                     f"max_position_embeddings {max_pos}")
-        if num_blocks < 1 or num_blocks * bs < self.max_model_len:
+        self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)  # raises for no blocks
+        if num_blocks * bs < self.max_model_len:
             raise KVLedgerError(
                 f"the KV pool holds {num_blocks} blocks x {bs} tokens = {num_blocks * bs} tokens "
                 f"({self.bytes_per_token} bytes/token) but --max-model-len is {self.max_model_len}; "
@@ -109,7 +112,6 @@ class LLMEngine:
         self.cache = make_kv_cache(self.kv_cache_dtype, self.spec.num_layers, num_blocks, bs, self.spec.num_kv_heads,
                                    self.spec.head_dim, self.dtype, self.device)
         self.model.set_rope(self.max_model_len)
-        self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.pool, bs)
         self.scheduler = Scheduler(config, self.kv_manager)
         self.runner = ModelRunner(self.model, self.cache, self.device)
@@ -117,6 +119,8 @@ class LLMEngine:
         self._arrivals = 0
         self.blocks_allocated_peak = 0
         self.vocab_size = int(self.hf_config["vocab_size"])
+        # draws of requests without their own seed (vLLM's --seed); None leaves them to torch's global generator
+        self.generator = None if config.seed is None else torch.Generator(self.device).manual_seed(config.seed)
 
     # ---- set-up helpers -------------------------------------------------------------------
     def _kv_cache_memory(self) -> int:
@@ -167,17 +171,11 @@ class LLMEngine:
             raise KVLedgerError(
                 f"prompt {len(ids)} tokens + max_tokens {max_tokens} = {total} exceeds --max-model-len "
                 f"{self.max_model_len}; shorten the prompt or lower max_tokens")
-        blocks = -(-total // self.block_size)
-        if blocks > self.num_blocks:
-            raise KVLedgerError(
-                f"request needs {blocks} KV blocks ({total} tokens / {self.block_size} per block) but the pool has "
-                f"{self.num_blocks}; give more --kv-cache-memory")
         if sp.max_tokens is None:
-            sp = SamplingParams(**{**_params_kwargs(sp), "max_tokens": max_tokens})
+            sp = dataclasses.replace(sp, max_tokens=max_tokens)
         request = Request(request_id, ids, sp, arrival=self._arrivals, prompt=prompt, arrival_time=time.perf_counter())
         self._arrivals += 1
-        if sp.seed is not None:
-            request.generator = torch.Generator(device=self.device).manual_seed(sp.seed)
+        request.generator = self.generator if sp.seed is None else torch.Generator(self.device).manual_seed(sp.seed)
         self.requests[request_id] = request
         self.scheduler.add(request)
 
@@ -190,16 +188,17 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.running)
-
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and run one batch; outputs for every request that got a new token."""
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        samplers, logits = self.runner.execute(out, self.kv_manager.block_tables)
+        try:
+            samplers, logits = self.runner.execute(out, self.kv_manager.block_tables)
+        except BaseException:
+            self._abort_failed_step(out)
+            raise
         self.scheduler.update(out)
         self.blocks_allocated_peak = max(self.blocks_allocated_peak, self.pool.num_blocks - self.pool.num_free_blocks)
         requests = [s.request for s in samplers]
@@ -211,10 +210,18 @@ class LLMEngine:
             if request.first_token_time is None:
                 request.first_token_time = now
             self._check_stop(request, token)
-            outputs.append(self._make_output(request))
+            outputs.append(self._make_output(request, token))
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
         return outputs
+
+    def _abort_failed_step(self, out: SchedulerOutput) -> None:
+        """Abort the requests of a step whose model run raised, after dropping the prefix-cache
+        entries of the blocks it was to write (their K/V may never have been written)."""
+        for s in out.scheduled:
+            self.kv_manager.uncache_unwritten(s.request, s.num_new_tokens)
+        for s in out.scheduled:
+            self.abort_request(s.request.request_id)
 
     def _check_stop(self, request: Request, token: int) -> None:
         sp = request.sampling_params
@@ -226,7 +233,7 @@ class LLMEngine:
             if token in sp.stop_token_ids:
                 return self.scheduler.finish(request, "stop", token)
             if sp.stop_list and delta:
-                start = max(0, len(request.text) - len(delta) - max(len(s) for s in sp.stop_list) + 1)
+                start = max(0, len(request.text) - len(delta) - sp.max_stop_len + 1)
                 hits = [(request.text.find(s, start), s) for s in sp.stop_list]
                 hits = [(i, s) for i, s in hits if i >= 0]
                 if hits:
@@ -234,7 +241,7 @@ class LLMEngine:
                     cut = index + len(stop) if sp.include_stop_str_in_output else index
                     request.text = request.text[:cut]
                     return self.scheduler.finish(request, "stop", stop)
-        if n_out >= sp.max_tokens or request.num_tokens >= self.max_model_len:
+        if n_out >= sp.max_tokens:  # add_request keeps prompt + max_tokens within max_model_len
             self.scheduler.finish(request, "length")
 
     def _detokenize(self, request: Request) -> str:
@@ -250,34 +257,29 @@ class LLMEngine:
             return delta
         return ""
 
-    def _make_output(self, request: Request) -> RequestOutput:
-        sp = request.sampling_params
+    def _make_output(self, request: Request, token: int) -> RequestOutput:
+        """The request after the step that sampled ``token``: what this step added, and (as vLLM's
+        cumulative outputs) the visible text and token ids so far, copied (C-speed copies, small
+        beside a step)."""
+        text = request.text
         if request.is_finished:
-            visible = len(request.text)
+            visible = len(text)
         else:  # hold back what could still become a stop string
-            holdback = max((len(s) for s in sp.stop_list), default=1) - 1
-            visible = max(request.emitted_text_len, len(request.text) - holdback)
-        delta = request.text[request.emitted_text_len:visible]
+            visible = max(request.emitted_text_len, len(text) - max(request.sampling_params.max_stop_len - 1, 0))
+        delta = text[request.emitted_text_len:visible]
         request.emitted_text_len = visible
-        new_ids = request.output_token_ids[request.emitted_tokens:]
-        request.emitted_tokens = len(request.output_token_ids)
-        completion = CompletionOutput(0, request.text[:visible], list(request.output_token_ids),
-                                      request.finish_reason, request.stop_reason)
+        completion = CompletionOutput(0, text[:visible], list(request.output_token_ids), request.finish_reason,
+                                      request.stop_reason)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
-                             request.is_finished, new_ids, delta, max(request.num_cached_tokens, 0),
+                             request.is_finished, [token], delta, max(request.num_cached_tokens, 0),
                              request.arrival_time, request.first_token_time)
 
     # ---- the ledger -------------------------------------------------------------------------
     def ledger(self) -> KVLedger:
         """Live KV numbers: blocks vs tokens (waste), prefix-cache hits, preemptions, bytes (Eq 2.2 vs measured)."""
         bs = self.block_size
-        fill: dict[int, int] = {}
-        for rid, table in self.kv_manager.block_tables.items():
-            computed = self.requests[rid].num_computed_tokens if rid in self.requests else 0
-            for i, block in enumerate(table):
-                fill[block] = max(fill.get(block, 0), min(bs, max(0, computed - i * bs)))
         allocated = self.pool.num_blocks - self.pool.num_free_blocks
-        tokens_used = sum(fill.values())
+        tokens_used = self._tokens_used()
         stats = self.kv_manager.stats
         return KVLedger(
             num_blocks=self.num_blocks, block_size=bs, blocks_allocated=allocated,
@@ -291,12 +293,33 @@ class LLMEngine:
             scale_bytes=self.kv_bytes.pool_bytes(self.num_blocks, bs) - self.bytes_per_token * self.num_blocks * bs,
         )
 
+    def _tokens_used(self) -> int:
+        """Tokens with K/V in allocated blocks, a shared block counted once; O(running requests).
+
+        The running requests are the ones holding blocks, and each one's table covers exactly
+        its computed tokens. A block is shared only as a full prefix-cache hit, which lies within
+        the computed tokens of every holder, so the sum of computed tokens counts each extra
+        reference to a block once, ``block_size`` tokens each time."""
+        tables = self.kv_manager.block_tables
+        computed = references = 0
+        for request in self.scheduler.running:
+            computed += request.num_computed_tokens
+            references += len(tables[request.request_id])
+        allocated = self.pool.num_blocks - self.pool.num_free_blocks
+        return computed - (references - allocated) * self.block_size
+
     def check_integrity(self) -> None:
-        """Assert the block pool is consistent with every request's block table."""
+        """Assert the block pool is consistent with every request's block table, the running
+        requests are the ones holding blocks, and :meth:`_tokens_used` equals a walk over every
+        block of every table (each block filled as far as the most advanced of its holders)."""
         self.kv_manager.check_integrity()
-
-
-def _params_kwargs(sp: SamplingParams) -> dict[str, Any]:
-    from dataclasses import fields
-
-    return {f.name: getattr(sp, f.name) for f in fields(sp) if f.init}
+        tables = self.kv_manager.block_tables
+        assert set(tables) == {r.request_id for r in self.scheduler.running}, "block tables are not the running requests"
+        bs = self.block_size
+        fill: dict[int, int] = {}
+        for rid, table in tables.items():
+            computed = self.requests[rid].num_computed_tokens
+            for i, block in enumerate(table):
+                fill[block] = max(fill.get(block, 0), min(bs, max(0, computed - i * bs)))
+        used, walked = self._tokens_used(), sum(fill.values())
+        assert used == walked, f"the ledger counts {used} tokens in use, the blocks hold {walked}"

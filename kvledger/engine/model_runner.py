@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from kvledger.engine.block_pool import blocks_for
 from kvledger.engine.scheduler import SchedulerOutput, ScheduledRequest
 from kvledger.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from kvledger.layers.paged_kv import KVCache
@@ -33,21 +34,25 @@ class ModelRunner:
         decodes = sorted((s for s in out.scheduled if s.num_new_tokens == 1), key=lambda s: s.request.num_computed_tokens)
         prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        starts: list[int] = []  # position of each request's first new token
+        counts: list[int] = []  # new tokens per request
+        blocks: list[int] = []  # the blocks the new tokens go to, request after request
+        block_offsets: list[int] = []  # per request: where its blocks begin in ``blocks``, less its first block index
         logits_indices: list[int] = []
         samplers: list[ScheduledRequest] = []
         for s in decodes + prefills:
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
-            table = block_tables[r.request_id]
             input_ids.extend(r.token_ids_slice(start, end))
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            starts.append(start)
+            counts.append(s.num_new_tokens)
+            block_offsets.append(len(blocks) - start // bs)
+            blocks.extend(block_tables[r.request_id][start // bs:blocks_for(end, bs)])
             if s.samples:
                 logits_indices.append(len(input_ids) - 1)
                 samplers.append(s)
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots))
+        positions, slots = self._positions_and_slots(starts, counts, blocks, block_offsets)
+        meta = AttentionMetadata(slot_mapping=slots)
         start = 0
         for end in _group_bounds([s.request.num_computed_tokens + 1 for s in decodes]):
             meta.decodes.append(self._decode_group(decodes[start:end], start, block_tables))
@@ -56,25 +61,39 @@ class ModelRunner:
         for s in prefills:
             r = s.request
             n, computed = s.num_new_tokens, r.num_computed_tokens
-            table = block_tables[r.request_id][: -(-(computed + n) // bs)]
+            table = block_tables[r.request_id][:blocks_for(computed + n, bs)]
             meta.prefills.append(PrefillChunk.causal(offset, n, computed, self._tensor(table).view(1, -1)))
             offset += n
-        logits = self.model(self._tensor(input_ids), self._tensor(positions), meta, self.cache,
-                            self._tensor(logits_indices))
+        logits = self.model(self._tensor(input_ids), positions, meta, self.cache, self._tensor(logits_indices))
         self.last_logits = logits
         return samplers, logits
+
+    def _positions_and_slots(self, starts: list[int], counts: list[int], blocks: list[int],
+                             block_offsets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Position and physical slot of every token of the flat batch, ``[N]`` each, with tensor ops.
+
+        Request ``i`` has ``counts[i]`` new tokens from position ``starts[i]``; position ``p``
+        lies in ``blocks[block_offsets[i] + p // block_size]``, at offset ``p % block_size``."""
+        bs = self.block_size
+        num_tokens = sum(counts)
+        counts_t = torch.tensor(counts)
+        request = torch.repeat_interleave(torch.arange(len(counts)), counts_t, output_size=num_tokens)  # per token
+        first_index = torch.cumsum(counts_t, 0) - counts_t  # flat index of each request's first token
+        positions = torch.arange(num_tokens) + (torch.tensor(starts) - first_index)[request]
+        block_ids = torch.tensor(blocks)[torch.tensor(block_offsets)[request] + positions // bs]
+        slots = block_ids * bs + positions % bs
+        return positions.to(self.device), slots.to(self.device)
 
     def _decode_group(self, group: list[ScheduledRequest], start: int, block_tables: dict[str, list[int]]) -> DecodeGroup:
         bs = self.block_size
         lens = [s.request.num_computed_tokens + 1 for s in group]
         max_len = max(lens)
-        nb = -(-max_len // bs)
+        nb = blocks_for(max_len, bs)
         tables = [block_tables[s.request.request_id][:nb] for s in group]
         padded = self._tensor([t + [0] * (nb - len(t)) for t in tables]).view(len(group), nb)
         mask = None
         if min(lens) != max_len:
-            lens_t = self._tensor(lens)
-            mask = (torch.arange(max_len, device=self.device)[None, :] < lens_t[:, None]).view(len(group), 1, 1, max_len)
+            mask = DecodeGroup.padding_mask(self._tensor(lens), max_len, self.cache.compute_dtype)
         return DecodeGroup(start, start + len(group), padded, max_len, mask)
 
 

@@ -18,7 +18,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step. ``new_token_ids`` and ``text_delta`` are what this step added."""
+    """A request's state after a step. ``new_token_ids`` and ``text_delta`` are what this step added
+    (``text_delta`` holds back the end of the text that could still become a stop string)."""
 
     request_id: str
     prompt: str | None

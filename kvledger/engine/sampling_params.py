@@ -31,9 +31,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1
     stop_list: list[str] = field(init=False, repr=False)
+    max_stop_len: int = field(init=False, repr=False)  # characters of the longest stop string (0: none)
 
     def __post_init__(self) -> None:
         self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.max_stop_len = max((len(s) for s in self.stop_list), default=0)
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.n != 1:
             raise KVLedgerError(f"n={self.n} is not supported; the engine returns one completion per prompt (n=1)")

@@ -59,7 +59,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -72,7 +71,6 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(ScheduledRequest(request, num_new))
-                scheduled_ids.add(request.request_id)
                 budget -= num_new
                 i += 1
                 continue

@@ -36,13 +36,12 @@ class Request:
     stop_reason: int | str | None = None
     num_cached_tokens: int = -1  # prefix-cache hit of the first admission, in tokens
     num_preemptions: int = 0
-    generator: Any = None  # torch.Generator when sampling_params.seed is set
+    generator: Any = None  # torch.Generator for sampling: the request's seed, else the engine's (None: torch's)
     # incremental detokenization state
     text: str = ""
     emitted_text_len: int = 0
     prefix_offset: int = 0
     read_offset: int = 0
-    emitted_tokens: int = 0
     first_token_time: float | None = None
     arrival_time: float = 0.0
 

@@ -5,12 +5,13 @@ the prefill chunks, each contiguous. Per layer every new K/V is written into the
 first (:meth:`KVCache.write`), then attention runs:
 
 * decodes: one attention call per group, queries ``[B, H, 1, d]`` against K/V gathered
-  through the block tables ``[B, H_kv, T, d]``, padding positions masked. Decodes come sorted
-  by context length and split into groups whose longest context is at most twice their
-  shortest, so the padding gathered never exceeds the useful K/V read. An unquantized cache
-  goes through SDPA; an 8-bit cache hands over its values widened but unscaled
-  (:class:`DecodeKV`) and :func:`decode_attention` applies the scales to the scores and the
-  probabilities, so the context is never dequantized into a full-size copy;
+  through the block tables ``[B, H_kv, T, d]``, padding positions masked by an additive mask
+  built once per step. Decodes come sorted by context length and split into groups whose
+  longest context is at most twice their shortest, so the padding gathered never exceeds the
+  useful K/V read. An unquantized cache goes through SDPA; an 8-bit cache hands over its
+  values widened but unscaled (:class:`DecodeKV`) and :func:`decode_attention` applies the
+  scales to the scores and the probabilities, so the context is never dequantized into a
+  full-size copy;
 * a prefill chunk that starts at position 0: causal SDPA over its own fresh K/V;
 * a later chunk (chunked prefill, prefix-cache hit, recompute): SDPA over K/V gathered through
   its block table with a causal mask offset by the tokens already in the cache.
@@ -56,7 +57,15 @@ class DecodeGroup:
     end: int
     block_tables: torch.Tensor  # [B, blocks]
     max_len: int  # tokens to gather per sequence (the group's longest context)
-    mask: torch.Tensor | None  # [B, 1, 1, max_len] bool, None when every context is max_len long
+    mask: torch.Tensor | None  # [B, 1, 1, max_len] added to the scores: 0 within a context, -inf past
+    # its end, in the compute dtype; None when every context is max_len long
+
+    @staticmethod
+    def padding_mask(lengths: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask ``[B, 1, 1, max_len]`` for contexts of ``lengths`` tokens ``[B]``."""
+        past_end = torch.arange(max_len, device=lengths.device)[None, :] >= lengths[:, None]
+        mask = torch.zeros(past_end.shape, dtype=dtype, device=lengths.device).masked_fill_(past_end, float("-inf"))
+        return mask.view(-1, 1, 1, max_len)
 
 
 @dataclass
@@ -94,7 +103,8 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 def decode_attention(q: torch.Tensor, kv: DecodeKV, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """One query per sequence: ``q`` ``[B, H, d]`` over ``kv`` (``[B, H_kv, T, d]``), ``mask``
-    ``[B, 1, 1, T]`` (True = attend) or None; returns ``[B, H, d]``.
+    ``[B, 1, 1, T]`` added to the scores (:meth:`DecodeGroup.padding_mask`) or None; returns
+    ``[B, H, d]``.
 
     With scales (8-bit caches), for query head ``h`` of KV head ``j``::
 
@@ -116,7 +126,7 @@ def decode_attention(q: torch.Tensor, kv: DecodeKV, mask: torch.Tensor | None, s
     if not isinstance(k_scale, float):
         scores.mul_(k_scale.unsqueeze(2))  # [B, H_kv, 1, T] over [B, H_kv, G, T]
     if mask is not None:
-        scores.masked_fill_(~mask, float("-inf"))
+        scores.add_(mask)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32)  # float32 under a 16-bit model too, as SDPA
     if not isinstance(v_scale, float):
         probs.mul_(v_scale.unsqueeze(2))

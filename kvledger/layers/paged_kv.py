@@ -19,20 +19,21 @@ import torch
 
 from kvledger.errors import KVLedgerError
 
-#: ``--kv-cache-dtype`` values this cache stores natively; ``auto`` means the model's dtype.
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+#: torch dtypes by name: ``--dtype`` values and the ``--kv-cache-dtype`` values this cache stores
+#: natively (``auto`` means the model's dtype).
+TORCH_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The torch dtype of the cache for a ``--kv-cache-dtype`` value (``auto`` = the model dtype)."""
     if kv_cache_dtype == "auto":
         return model_dtype
-    if kv_cache_dtype not in _DTYPES:
+    if kv_cache_dtype not in TORCH_DTYPES:
         raise KVLedgerError(
             f"--kv-cache-dtype {kv_cache_dtype!r} is not supported by the engine yet; use auto, float32, bfloat16 or float16"
         )
-    return _DTYPES[kv_cache_dtype]
+    return TORCH_DTYPES[kv_cache_dtype]
 
 
 @dataclass
@@ -103,7 +104,7 @@ class KVCache:
         in ``compute_dtype``.
         """
         k, v = self._gather_stored(layer, block_tables, num_tokens)
-        if self.dtype != self.compute_dtype:
+        if self.quantized:
             k, v = k.to(self.compute_dtype), v.to(self.compute_dtype)
         return k, v
 

@@ -19,8 +19,10 @@ import numpy as np
 
 from kvledger.errors import KVLedgerError
 
-#: GGUF architectures that map onto the Llama model code, and the HF ``model_type`` they become.
-_ARCHES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+#: GGUF architectures that map onto the Llama model code, and the HF architecture each becomes
+#: (its ``model_type`` is the GGUF name).
+_ARCHES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+           "qwen3": "Qwen3ForCausalLM"}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -96,9 +98,8 @@ def config_from_gguf(path: str | Path) -> dict[str, Any]:
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     config: dict[str, Any] = {
-        "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
-        "model_type": _ARCHES[arch],
+        "architectures": [_ARCHES[arch]],
+        "model_type": arch,
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,

@@ -123,11 +123,20 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(self.config, head_dim, max_len, weight.dtype, weight.device)
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face parameter names, fusing q/k/v and gate/up; strict about what is missing."""
+        """Load Hugging Face parameter names, fusing q/k/v and gate/up; strict about what is missing:
+        one KVLedgerError names every tensor the checkpoint lacks."""
         own = dict(self.named_parameters())
         loaded: set[str] = set()
+        absent: list[str] = []
+        state = {k.removeprefix("model.") if not k.startswith("lm_head") else k: v for k, v in state.items()}
 
-        def put(name: str, tensor: torch.Tensor) -> None:
+        def put(name: str, *sources: str) -> None:
+            """Copy the checkpoint tensors ``sources`` (concatenated) into parameter ``name``, if all present."""
+            tensors = [state.get(source) for source in sources]
+            absent.extend(source for source, t in zip(sources, tensors) if t is None)
+            if any(t is None for t in tensors):
+                return
+            tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
             param = own[name]
             if param.shape != tensor.shape:
                 raise KVLedgerError(f"checkpoint tensor for {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
@@ -135,22 +144,19 @@ class LlamaForCausalLM(nn.Module):
                 param.copy_(tensor)
             loaded.add(name)
 
-        state = {k.removeprefix("model.") if not k.startswith("lm_head") else k: v for k, v in state.items()}
         for i in range(len(self.layers)):
             p = f"layers.{i}."
             for kind in ("weight", "bias"):
-                parts = [state.get(f"{p}self_attn.{n}_proj.{kind}") for n in ("q", "k", "v")]
-                if all(t is not None for t in parts):
-                    put(f"{p}self_attn.qkv_proj.{kind}", torch.cat(parts, 0))
-            put(f"{p}mlp.gate_up_proj.weight", torch.cat([state[f"{p}mlp.gate_proj.weight"], state[f"{p}mlp.up_proj.weight"]], 0))
+                if f"{p}self_attn.qkv_proj.{kind}" in own:
+                    put(f"{p}self_attn.qkv_proj.{kind}", *(f"{p}self_attn.{n}_proj.{kind}" for n in ("q", "k", "v")))
+            put(f"{p}mlp.gate_up_proj.weight", f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight")
             for n in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
                       "post_attention_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight"):
                 if f"{p}{n}" in own:
-                    put(f"{p}{n}", state[f"{p}{n}"])
-        put("embed_tokens.weight", state["embed_tokens.weight"])
-        put("norm.weight", state["norm.weight"])
-        if not self.tie_word_embeddings:
-            put("lm_head.weight", state["lm_head.weight"])
-        missing = set(own) - loaded
+                    put(f"{p}{n}", f"{p}{n}")
+        for name in ("embed_tokens.weight", "norm.weight", "lm_head.weight"):
+            if name in own:
+                put(name, name)
+        missing = absent or sorted(set(own) - loaded)
         if missing:
-            raise KVLedgerError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+            raise KVLedgerError(f"checkpoint lacks {len(missing)} tensors: {', '.join(missing)}")
