@@ -33,8 +33,8 @@ from kvledger.errors import KVLedgerError
 from kvledger.layers.attention import AttentionMetadata, PrefillChunk
 from kvledger.layers.paged_kv import KVCache
 from kvledger.layers.quantized_kv import make_kv_cache
+from kvledger.spec.dtypes import KV_QUALITY_DEFAULT_KINDS as DEFAULT_KINDS
 
-DEFAULT_KINDS = ("int8", "fp8_e4m3", "fp8_e5m2")
 DEFAULT_TEXT_SOURCE = "the Python language reference (pydoc_data.topics, shipped with Python; PSF License)"
 
 

@@ -7,9 +7,13 @@ powers of 1000, as on a datasheet. ``80GB`` is therefore 80e9 bytes and ``80GiB`
 
 from __future__ import annotations
 
+import math
 import re
 
 from kvledger.errors import KVLedgerError
+
+GiB = 1 << 30
+"""Bytes in one gibibyte."""
 
 _UNITS = {
     "": 1,
@@ -22,20 +26,32 @@ _UNITS = {
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
+def _quantity(text: str | int | float, what: str, kind: str, suffix: str = "") -> float:
+    """``number x unit`` in bytes from ``text`` such as ``58.11GiB``, ``1.5e9`` or a number; finite,
+    its sign left to the caller. ``kind`` names the quantity and ``suffix`` (``/s``) may end the text."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        raw = str(text).strip()
+        if suffix and raw.lower().endswith(suffix):
+            raw = raw[: -len(suffix)]
+        match = _NUMBER.match(raw)
+        if not match:
+            noun, example = ("bytes", "80GiB or 58.11GiB") if kind == "size" else ("bytes per second", "1.5TB/s")
+            raise KVLedgerError(f"{what} {text!r} is not a {kind}: give {noun} or a number with a unit, e.g. {example}")
+        unit = match.group(2).lower()
+        if unit not in _UNITS:
+            raise KVLedgerError(f"{what} {text!r} has an unknown unit {match.group(2)!r}: "
+                                "use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
+        value = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(value):
+        raise KVLedgerError(f"{what} must be a finite number, got {text!r}")
+    return value
+
+
 def parse_size(text: str | int | float, what: str = "size") -> int:
     """Bytes from ``123``, ``58.11GiB``, ``80GB`` or ``1.5e9``; rounds down to a whole byte."""
-    if isinstance(text, (int, float)):
-        value, unit = float(text), ""
-    else:
-        match = _NUMBER.match(str(text))
-        if not match:
-            raise KVLedgerError(
-                f"{what} {text!r} is not a size: give bytes or a number with a unit, e.g. 80GiB or 58.11GiB"
-            )
-        value, unit = float(match.group(1)), match.group(2).lower()
-    if unit not in _UNITS:
-        raise KVLedgerError(f"{what} {text!r} has an unknown unit {unit!r}: use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
-    result = int(value * _UNITS[unit])
+    result = int(_quantity(text, what, "size"))
     if result <= 0:
         raise KVLedgerError(f"{what} must be positive, got {text!r}")
     return result
@@ -43,13 +59,7 @@ def parse_size(text: str | int | float, what: str = "size") -> int:
 
 def parse_rate(text: str | int | float, what: str = "rate") -> float:
     """Bytes per second from ``1.5TB/s``, ``2039GB/s`` or a plain number of bytes per second."""
-    raw = str(text).strip()
-    if raw.lower().endswith("/s"):
-        raw = raw[:-2]
-    match = _NUMBER.match(raw)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise KVLedgerError(f"{what} {text!r} is not a rate: give bytes per second or e.g. 1.5TB/s")
-    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    value = _quantity(text, what, "rate", suffix="/s")
     if value <= 0:
         raise KVLedgerError(f"{what} must be positive, got {text!r}")
     return value

@@ -50,6 +50,11 @@ class VerifyConfig:
         if self.dtype not in DTYPES:
             raise KVLedgerError(f"--dtype must be float32 or float64, got {self.dtype!r}")
 
+    def spec(self) -> ModelSpec:
+        """The artifact's geometry as a model spec (for Eq 2.2 and the attention kind)."""
+        return ModelSpec.custom(self.layers, self.kv_heads, self.head_dim, heads=self.heads,
+                                torch_dtype=self.dtype, name="verify")
+
 
 @dataclass(frozen=True)
 class VerifyResult:
@@ -154,11 +159,7 @@ def _cached(layers: list[AttentionLayer], x: torch.Tensor, cfg: VerifyConfig, ca
 
 def predicted_cache_bytes(cfg: VerifyConfig) -> int:
     """Eq 2.2 for the artifact's own geometry."""
-    spec = ModelSpec.from_config_dict({
-        "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim, "hidden_size": cfg.heads * cfg.head_dim, "torch_dtype": cfg.dtype,
-    }, name="verify")
-    return kv_bytes(spec, "auto", tokens=cfg.tokens, batch=cfg.batch).total_bytes
+    return kv_bytes(cfg.spec(), "auto", tokens=cfg.tokens, batch=cfg.batch).total_bytes
 
 
 def run_verify(cfg: VerifyConfig) -> VerifyResult:

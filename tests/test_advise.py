@@ -73,3 +73,26 @@ def test_text_output_and_bad_input():
     bad[bad.index("2048")] = "9000"
     assert_one_line_error(kvledger("advise", *bad), "--shared-prefix-tokens")
     assert_one_line_error(kvledger("advise", *DESIGN[:-1], "0"), "--target-users")
+
+
+def test_prefix_caching_holds_the_prefix_once():
+    """6,544 tokens a user (409 blocks of 16), 2,048 of them (128 blocks) shared: after sharing,
+    each user adds 281 blocks to the 128 held once."""
+    from kvledger.planner.memory_wall import plan_memory
+
+    spec, gpu = load_model_spec("llama-3.1-8b"), get_gpu("a100-80gb")
+    result = advise(spec, gpu, prompt_tokens=6144, output_tokens=400, shared_prefix_tokens=2048, users=40,
+                    target_users=100)
+    blocks = plan_memory(spec, gpu).num_blocks
+    prefix = next(lv for lv in result.levers if lv.name == "prefix-caching")
+    assert result.capacity_users == blocks // 409
+    assert prefix.users_after == (blocks - 128) // 281
+
+
+def test_tensor_parallel_lever_and_flags():
+    out = kvledger("advise", *DESIGN, "--json").json()
+    tp = next(lv for lv in out["levers"] if lv["name"] == "tensor-parallel")
+    assert tp["flag"] == "--tensor-parallel-size 2"
+    few = kvledger("advise", *DESIGN, "--max-num-seqs", "1", "--json").json()
+    assert few["kv_pool_bytes"] > out["kv_pool_bytes"]  # a smaller sampler in the profiling pass
+    assert_one_line_error(kvledger("advise", *DESIGN, "-tp", "3"), "tensor-parallel size 3 cannot split")

@@ -89,3 +89,73 @@ def test_spec_and_planner_commands_never_import_torch(argv):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("clean")
+
+
+# ---------------------------------------------------------------- overrides on a model
+def kv_json(*args: str) -> dict:
+    r = kvledger("kv-bytes", *args, "--json")
+    assert r.returncode == 0, r.stderr
+    return r.json()
+
+
+def test_layers_override_keeps_the_familys_sliding_rule():
+    """Gemma-3-27B at 100,000 tokens: 10 full layers hold them all, 52 sliding layers hold 1,024;
+    --layers re-applies the every-6th-layer-is-full rule rather than copying layer 0."""
+    per_layer = 2 * 16 * 128 * 2
+    out = kv_json("gemma-3-27b-it", "--tokens", "100000", "--layers", "62")
+    assert out["total_bytes"] == per_layer * (10 * 100_000 + 52 * 1024) == 8_628_207_616
+    out = kv_json("gemma-3-27b-it", "--tokens", "100000", "--layers", "12")
+    assert out["num_sliding_layers"] == 10
+    assert out["total_bytes"] == per_layer * (2 * 100_000 + 10 * 1024)
+
+
+def test_heads_and_kv_heads_overrides_apply_and_are_checked():
+    out = kv_json("llama-3.1-8b", "--heads", "16", "--kv-heads", "16")
+    assert out["attention"] == "MHA" and out["head_dim"] == 128  # d_h stays 128, not 4096 / 16
+    assert out["bytes_per_token"] == 2 * 32 * 16 * 128 * 2
+    assert kv_json("llama-3.1-8b", "--kv-heads", "4")["bytes_per_token"] == 2 * 32 * 4 * 128 * 2
+
+
+@pytest.mark.parametrize("args, needles", [
+    (("llama-3.1-8b", "--kv-heads", "3"), ("--kv-heads 3", "not a multiple")),
+    (("deepseek-v3", "--head-dim", "64"), ("--head-dim does not apply", "MLA")),
+    (("deepseek-v3", "--kv-heads", "8"), ("--kv-heads does not apply", "MLA")),
+    (("gpt-oss-20b", "--layers", "30"), ("--layers 30", "layer_types has 24 entries")),
+    (("--layers", "4", "--heads", "32", "--kv-heads", "3", "--head-dim", "64"), ("not a multiple",)),
+    (("llama-3.1-8b", "-tp", "3"), ("tensor-parallel size 3 cannot split", "1, 2, 4, 8, 16, 32")),
+    (("deepseek-v3", "-tp", "3"), ("128 attention heads",)),
+])
+def test_overrides_that_cannot_apply_are_one_line(args, needles):
+    assert_one_line_error(kvledger("kv-bytes", *args), *needles)
+
+
+# ---------------------------------------------------------------- bad values in a config
+BASE = {"model_type": "mistral", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
+        "hidden_size": 512, "sliding_window": 256, "max_position_embeddings": 4096}
+
+
+@pytest.mark.parametrize("change, needles", [
+    ({"sliding_window": "wide"}, ("'sliding_window'", "positive integer", "'wide'")),
+    ({"sliding_window": -5}, ("'sliding_window'", "-5")),
+    ({"num_experts": "many"}, ("'num_experts'", "'many'")),
+    ({"num_experts_per_tok": 1.5}, ("'num_experts_per_tok'",)),
+    ({"layer_types": 5}, ("'layer_types'", "list")),
+    ({"layer_types": [0, 1, 0, 1]}, ("'layer_types'", "list")),
+    ({"max_position_embeddings": "long"}, ("'max_position_embeddings'", "'long'")),
+    ({"vocab_size": "big"}, ("'vocab_size'",)),
+    ({"intermediate_size": -1}, ("'intermediate_size'",)),
+])
+def test_bad_config_values_are_one_line(tmp_path, change, needles):
+    import json
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**BASE, **change}))
+    assert_one_line_error(kvledger("kv-bytes", str(config), "--tokens", "1000"), "config.json", *needles)
+
+
+def test_a_window_on_no_sliding_layer_is_not_read(tmp_path):
+    import json
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**BASE, "model_type": "llama", "sliding_window": "unused"}))
+    assert kvledger("kv-bytes", str(config), "--json").json()["bytes_per_token"] == 2 * 4 * 8 * 64 * 2

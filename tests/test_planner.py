@@ -157,7 +157,7 @@ def test_weights_larger_than_card_names_a_tp_that_fits():
     spec = load_model_spec("llama-3.1-70b")
     with pytest.raises(KVLedgerError, match="--tensor-parallel-size 2 would fit"):
         plan_memory(spec, get_gpu("a100-80gb"))
-    with pytest.raises(KVLedgerError, match="--tensor-parallel-size 8 would fit"):  # TP 4: 32.9 GiB + overhead > 35.4
+    with pytest.raises(KVLedgerError, match="--tensor-parallel-size 4 would fit"):  # TP 4: 32.9 GiB + 2.3 GiB < 35.4
         plan_memory(spec, get_gpu("a100-40gb"), tensor_parallel_size=2)
     assert plan_memory(spec, get_gpu("a100-80gb"), tensor_parallel_size=2).num_blocks > 0
     assert plan_memory(spec, get_gpu("a100-80gb"), weights_dtype="int4").num_blocks > 0
@@ -205,3 +205,133 @@ def test_users_fit_in_the_pool(llama, context, util):
     users = users_at(llama, wall, context)
     need = sequence_blocks(llama, wall, context)
     assert users * need <= wall.num_blocks < (users + 1) * need
+
+
+# ------------------------------------------------------------------------------ tensor-parallel rules
+def test_tensor_parallel_must_split_the_heads(llama):
+    """vLLM: TP divides the 32 attention heads, and the 8 KV heads split (8 % TP) or replicate (TP % 8)."""
+    with pytest.raises(KVLedgerError, match="tensor-parallel size 3 cannot split") as err:
+        plan_memory(llama, get_gpu("a100-80gb"), tensor_parallel_size=3)
+    assert "sizes that do: 1, 2, 4, 8, 16, 32" in str(err.value)
+    assert plan_memory(llama, get_gpu("a100-80gb"), tensor_parallel_size=16).bytes_per_token == 2 * 32 * 1 * 128 * 2
+
+
+def test_mla_tensor_parallel_checks_attention_heads_only():
+    from kvledger.spec import ModelSpec, kv_bytes
+
+    config = {"num_hidden_layers": 2, "num_attention_heads": 12, "num_key_value_heads": 4, "hidden_size": 768}
+    with pytest.raises(KVLedgerError, match="4 KV heads"):  # 12 % 6 == 0, but 4 KV heads neither split nor replicate
+        kv_bytes(ModelSpec.from_config_dict(config), tensor_parallel_size=6)
+    mla = ModelSpec.from_config_dict({**config, "kv_lora_rank": 64, "qk_rope_head_dim": 16})
+    assert kv_bytes(mla, tensor_parallel_size=6).bytes_per_token == 2 * (64 + 16) * 2  # 2 layers, one latent
+    with pytest.raises(KVLedgerError, match="12 attention heads of custom"):
+        kv_bytes(mla, tensor_parallel_size=8)
+
+
+# ------------------------------------------------------------------------------ shared prefixes
+def test_users_at_holds_a_shared_prefix_once(llama):
+    wall = chapter_wall(llama)
+    per_user_blocks = -(-6544 // 16)  # 6,144 prompt + 400 output tokens
+    assert users_at(llama, wall, 6544) == wall.num_blocks // per_user_blocks
+    shared = 2048 // 16
+    assert users_at(llama, wall, 6544, shared_prefix=2048) == (wall.num_blocks - shared) // (per_user_blocks - shared)
+    assert users_at(llama, wall, 6544, shared_prefix=2047) == (wall.num_blocks - 127) // (per_user_blocks - 127)
+
+
+# ------------------------------------------------------------------------------ the longest sequence
+def test_max_fitting_length_is_bounded_by_the_models_context():
+    """Mistral-7B-v0.1 slides every layer: any length costs one window, so the bound is its
+    max_position_embeddings, 32,768, as vLLM searches up to the model's limit."""
+    mistral = load_model_spec("mistral-7b")
+    wall = plan_memory(mistral, get_gpu("a100-80gb"))
+    assert max_fitting_length(mistral, wall) == 32768
+    llama = load_model_spec("llama-3.1-8b")
+    big = plan_memory(llama, get_gpu("h200"))
+    assert big.kv_tokens > 131072 and max_fitting_length(llama, big) == 131072
+
+
+def test_max_fitting_length_of_a_partly_sliding_model_is_exact():
+    """Gemma-3-27B: 10 full layers hold every token, 52 hold 1,024. A pool of P layer-token slots
+    holds one T-token sequence while 10 T + 52 x 1,024 <= P."""
+    gemma = load_model_spec("gemma-3-27b-it")
+    wall = plan_memory(gemma, get_gpu("l4"), weights_dtype="int4")
+    slots = wall.num_blocks * 16 * 62
+    assert max_fitting_length(gemma, wall) == (slots - 52 * 1024) // 10
+    assert max_fitting_length(gemma, wall) < gemma.max_position_embeddings
+
+
+def test_max_fitting_length_unbounded_only_when_nothing_bounds_it():
+    from kvledger.spec import ModelSpec
+
+    spec = ModelSpec.from_config_dict({"model_type": "mistral", "num_hidden_layers": 4, "num_attention_heads": 8,
+                                       "num_key_value_heads": 8, "hidden_size": 512, "sliding_window": 256,
+                                       "vocab_size": 1000})
+    wall = plan_memory(spec, get_gpu("l4"), kv_cache_memory=GiB)
+    assert spec.max_position_embeddings is None and max_fitting_length(spec, wall) is None
+
+
+def test_max_model_len_above_the_models_context_is_refused(llama):
+    wall = plan_memory(llama, get_gpu("h200"))
+    assert check_max_model_len(llama, wall, 131072) is None
+    message = check_max_model_len(llama, wall, 131073)
+    assert "max_position_embeddings = 131,072" in message and "VLLM_ALLOW_LONG_MAX_MODEL_LEN" in message
+
+
+# ------------------------------------------------------------------------------ one per-token arithmetic
+def test_bandwidth_per_token_arithmetic_respects_sliding_windows():
+    """Mistral-7B-v0.1 at 32K: each layer reads its 4,096-token window, so a live token costs
+    131,072 x 4,096 / 32,768 = 16,384 bytes, and every path agrees."""
+    spec = load_model_spec("mistral-7b")
+    per_token = bw.live_token_bytes(spec, "auto", 32768)
+    assert per_token == 2 * 32 * 8 * 128 * 2 * 4096 / 32768 == 16_384
+    weights = weights_bytes(spec)
+    assert bw.crossover_tokens(weights, per_token) == -(-weights // 16_384)
+    step = bw.decode_step(weights, bw.kv_read_bytes(spec, "auto", 5, 32768), 5, 32768, 1e12)
+    assert bw.step_time(weights, 5 * 32768, per_token, 1e12) == pytest.approx(step.step_time_s, rel=1e-12)
+    # within the window, and for full-attention models, a live token costs every layer
+    assert bw.live_token_bytes(spec, "auto", 4096) == 131_072
+    assert bw.live_token_bytes(load_model_spec("llama-3.1-8b"), "int8", 100_000) == 65_536 + 1024
+
+# ------------------------------------------------------------------------------ the tensor-parallel hint
+def _hinted_size(message: str) -> int | None:
+    import re
+
+    found = re.search(r"--tensor-parallel-size (\d+) would fit", message)
+    return int(found.group(1)) if found else None
+
+
+def test_hint_of_the_reported_case_plans():
+    """Llama-3.1-8B on an L4 cut to 10.25 GiB: at TP 2 the overhead grows (NCCL) past what the
+    halved weights free, so the hint must name TP 4, whose plan then succeeds."""
+    spec, gpu = load_model_spec("llama-3.1-8b"), get_gpu("l4").with_overrides(memory_bytes=int(10.25 * GiB))
+    with pytest.raises(KVLedgerError) as err:
+        plan_memory(spec, gpu)
+    with pytest.raises(KVLedgerError, match="does not fit"):
+        plan_memory(spec, gpu, tensor_parallel_size=2)
+    assert _hinted_size(str(err.value)) == 4
+    assert plan_memory(spec, gpu, tensor_parallel_size=4).num_blocks > 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(model=st.sampled_from(["llama-3.1-8b", "llama-3.1-70b", "qwen3-32b", "gemma-3-27b-it", "mixtral-8x7b",
+                              "deepseek-v3", "smollm2-135m"]),
+       gpu=st.sampled_from(["l4", "a10g", "a100-40gb", "a100-80gb", "h100-80gb"]),
+       memory_gib=st.floats(0.5, 200), util=st.floats(0.5, 1.0), tp=st.sampled_from([1, 2, 4]),
+       overhead=st.sampled_from([None, GiB]), dtype=st.sampled_from(["auto", "int8"]))
+def test_a_hinted_tensor_parallel_size_plans(model, gpu, memory_gib, util, tp, overhead, dtype):
+    """Whenever the does-not-fit error names a size, planning with that size succeeds, and no
+    smaller size it tries does."""
+    spec, card = load_model_spec(model), get_gpu(gpu).with_overrides(memory_bytes=int(memory_gib * GiB))
+    kw = dict(gpu_memory_utilization=util, overhead=overhead, kv_cache_dtype=dtype)
+    try:
+        plan_memory(spec, card, tensor_parallel_size=tp, **kw)
+        return
+    except KVLedgerError as err:
+        size = _hinted_size(str(err))
+    if size is None:
+        return
+    assert plan_memory(spec, card, tensor_parallel_size=size, **kw).num_blocks > 0
+    for smaller in (2, 4, 8, 16, 32):
+        if tp < smaller < size:
+            with pytest.raises(KVLedgerError):
+                plan_memory(spec, card, tensor_parallel_size=smaller, **kw)

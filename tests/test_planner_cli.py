@@ -118,3 +118,59 @@ def test_plan_never_imports_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("NO-TORCH"), proc.stdout
+
+
+@pytest.mark.parametrize("args, needles", [
+    (("llama-3.1-8b", "--gpu", "a100-80gb", "-tp", "3"), ("tensor-parallel size 3", "1, 2, 4, 8, 16, 32")),
+    (("llama-3.1-8b", "--gpu", "a100-80gb", "--gpu-memory", "1e400"), ("--gpu-memory", "finite")),
+    (("llama-3.1-8b", "--gpu", "a100-80gb", "--users", "4", "--context", "100", "--bandwidth", "1e400TB/s"),
+     ("--bandwidth", "finite")),
+    (("llama-3.1-8b", "--gpu", "h200", "--max-model-len", "200000"), ("max_position_embeddings = 131,072",)),
+    (("llama-3.1-8b", "--gpu", "a100-80gb", "--weights-dtype", "int3"), ("--weights-dtype", "mxfp4")),
+])
+def test_more_bad_input_is_one_line_exit_2(args, needles):
+    assert_one_line_error(kvledger("plan", *args), *needles)
+
+
+def test_crossover_of_a_sliding_window_model_counts_the_window():
+    """Mistral-7B-v0.1 in 32K conversations: a live token reads 131,072 x 4,096 / 32,768 = 16,384 bytes."""
+    out = plan("mistral-7b", "--gpu", "a100-80gb", "--users", "2", "--context", "32768")
+    assert out["crossover_tokens"] == -(-out["weights_bytes"] // 16_384)
+    assert out["kv_bytes_per_step"] == 2 * 32 * 2 * 8 * 128 * 2 * 4096
+    assert out["max_fitting_length"] == 32768
+
+
+def test_gpu_memory_flag_is_recorded_and_labelled():
+    assert plan("llama-3.1-8b", "--gpu", "a100-80gb")["gpu_memory_given"] is False
+    assert plan(*CHAPTER)["gpu_memory_given"] is True
+    assert "total memory (--gpu-memory)" in kvledger("plan", *CHAPTER).stdout
+    assert "total memory (as the device reports)" in kvledger("plan", "llama-3.1-8b", "--gpu", "a100-80gb").stdout
+
+
+def test_max_num_seqs_sizes_the_profiling_pass():
+    """The sampler's float32 logits and one copy: 128,256 x 4 x 2 bytes more per extra sequence."""
+    few, many = plan(*CHAPTER[:3], "--max-num-seqs", "1"), plan(*CHAPTER[:3], "--max-num-seqs", "257")
+    assert many["activation_bytes"] - few["activation_bytes"] == 256 * 128_256 * 4 * 2
+
+
+def test_plot_that_cannot_be_written_is_one_line(tmp_path):
+    r = kvledger("plan", "llama-3.1-8b", "--gpu", "a100-80gb", "--plot", str(tmp_path / "missing" / "plan.png"))
+    assert_one_line_error(r, "cannot write --plot")
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "llama-3.1-8b", "--gpu", "a100-80gb", "--plot", "plan.png"],
+    ["kv-quality", "--plot", "quality.png"],  # refused before the (long) run starts
+])
+def test_missing_matplotlib_is_one_line(tmp_path, argv):
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from kvledger.cli.main import main\n"
+            f"rc = main({argv!r})\n"
+            "print('torch' in sys.modules)\n"
+            "sys.exit(rc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "needs matplotlib" in lines[0] and "kvledger[plot]" in lines[0], proc.stderr
+    assert proc.stdout.strip().endswith("False")  # the engine was never loaded
+    assert not list(tmp_path.iterdir())

@@ -214,3 +214,41 @@ def test_config_errors_name_the_problem(tmp_path):
         load_model_spec({"num_hidden_layers": 0, "num_attention_heads": 8, "hidden_size": 512})
     with pytest.raises(ConfigError, match="did you mean llama-3.1-8b"):
         load_model_spec("llama-3.1-8")
+
+
+# ---------------------------------------------------------------- built specs and rebuilt configs
+def test_custom_spec_is_the_exercise_geometry():
+    spec = ModelSpec.custom(24, 4, 128)
+    assert (spec.num_layers, spec.num_attention_heads, spec.num_kv_heads, spec.head_dim) == (24, 4, 4, 128)
+    assert kv_bytes(spec, tokens=2048, batch=4).total_bytes == 2 * 24 * 4 * 2048 * 4 * 128 * 2
+    assert ModelSpec.custom(2, 2, 64, heads=8).attention_kind == "GQA"
+    assert ModelSpec.custom(2, 1, 64, heads=8).attention_kind == "MQA"
+    assert kv_bytes(ModelSpec.custom(1, 1, 8, torch_dtype="float64")).element_bytes == 8
+    with pytest.raises(ConfigError, match="not a multiple"):
+        ModelSpec.custom(2, 3, 64, heads=8)
+
+
+def test_with_config_rebuilds_inside_text_config_and_keeps_notes():
+    gemma = load_model_spec("gemma-3-27b-it")
+    short = gemma.with_config(num_hidden_layers=12)
+    assert short.layer_types == (("sliding_attention",) * 5 + ("full_attention",)) * 2
+    assert short.notes == gemma.notes  # still read from text_config, with the same family defaults
+    assert short.config["text_config"]["num_hidden_layers"] == 12 and "num_hidden_layers" not in short.config
+    assert gemma.num_layers == 62  # the original is untouched
+    with pytest.raises(ConfigError, match="not a multiple"):
+        load_model_spec("llama-3.1-8b").with_config(num_key_value_heads=3)
+
+
+def test_bad_config_values_name_the_key():
+    base = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256}
+    for key, value in (("sliding_window", "x"), ("num_local_experts", "eight"), ("moe_intermediate_size", -3),
+                       ("max_window_layers", "all"), ("sliding_window_pattern", 0.5)):
+        model_type = {"max_window_layers": "qwen2", "sliding_window_pattern": "gemma3_text"}.get(key, "mistral")
+        extra = {"use_sliding_window": True, "sliding_window": 8} if model_type == "qwen2" else (
+            {"sliding_window": 8} if model_type == "gemma3_text" else {})
+        with pytest.raises(ConfigError, match=f"'{key}' must be a positive integer"):
+            ModelSpec.from_config_dict({**base, "model_type": model_type, **extra, key: value})
+    with pytest.raises(ConfigError, match="'layer_types' must be a list"):
+        ModelSpec.from_config_dict({**base, "layer_types": ["full_attention", 1]})
+    with pytest.raises(ConfigError, match="'sliding_window' must be a positive integer, got None"):
+        ModelSpec.from_config_dict({**base, "layer_types": ["sliding_attention", "full_attention"]})

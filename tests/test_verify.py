@@ -63,3 +63,9 @@ def test_property_any_geometry_passes_both_checks(layers, kv_heads, group, half_
     assert r.predicted_bytes == 2 * layers * batch * tokens * kv_heads * 2 * half_dim * element
     assert r.measured_bytes == r.predicted_bytes
     assert r.max_abs_diff <= r.tolerance, r
+
+
+def test_text_names_the_attention_kind():
+    for heads, kv_heads, kind in (("4", "4", "(MHA)"), ("4", "2", "(GQA)"), ("4", "1", "(MQA)")):
+        r = kvledger("verify", "--heads", heads, "--kv-heads", kv_heads, "--tokens", "4", "--head-dim", "8")
+        assert r.returncode == 0 and kind in r.stdout.splitlines()[0], r.stdout

@@ -174,3 +174,18 @@ def test_recommendation_rounds_up_to_a_block_and_counts_rejections():
     assert rec["rejected_share"] == pytest.approx((prompt + 5 > rec["max_model_len"]).mean())
     assert rec["max_num_seqs"] == 20
     assert wl.recommend(trace, 16, 100_000, None, model_max_len=4096)["max_model_len"] == 4096
+
+
+def test_replay_reads_a_sliding_window_models_window_only(tmp_path):
+    """Mistral-7B-v0.1 slides every layer over 4,096 tokens: with 30,000-token prompts (and 10
+    output tokens, so 30,005 live on average) a live token reads 131,072 x 4,096 / 30,005 bytes,
+    not 131,072, in the replayed step time."""
+    f = tmp_path / "long.csv"
+    f.write_text("prompt_tokens,output_tokens,timestamp\n" + "".join(f"30000,10,{i * 0.5}\n" for i in range(40)))
+    r = kvledger("plan", "mistral-7b", "--gpu", "a100-80gb", "--workload", str(f), "--json")
+    assert r.returncode == 0, r.stderr
+    out = r.json()
+    rep = out["workload"]["replay"]
+    token_bytes = 131_072 * 4096 / 30_005
+    expected = (out["weights_bytes"] + rep["live_tokens"]["mean"] * token_bytes) / out["bandwidth_bytes_per_s"]
+    assert rep["step_time_s"] == pytest.approx(expected, rel=2e-3)

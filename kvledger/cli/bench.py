@@ -105,9 +105,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_report(metrics, info))
     if args.markdown:
-        argv = _command_line(args)
         stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        with open(args.markdown, "a") as f:
-            f.write(f"\n`{argv}` ({stamp})\n\n")
-            f.write(format_report(metrics, info, tablefmt="github") + "\n")
+        append_markdown(args.markdown, f"\n`{_command_line(args)}` ({stamp})\n\n"
+                                       + format_report(metrics, info, tablefmt="github") + "\n")
     return 0 if metrics.completed else 1
+
+
+def append_markdown(path: str, text: str) -> None:
+    """Append ``text`` to the Markdown file ``path``; a file that cannot be written is a KVLedgerError."""
+    from kvledger.errors import KVLedgerError
+
+    try:
+        with open(path, "a") as f:
+            f.write(text)
+    except OSError as err:
+        raise KVLedgerError(f"cannot append to --markdown {path}: {err.strerror or err}") from None

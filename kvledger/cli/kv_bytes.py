@@ -30,27 +30,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def resolve_spec(args: argparse.Namespace):
-    """The ModelSpec named by MODEL, with --layers/--kv-heads/--head-dim applied on top."""
-    from kvledger.errors import KVLedgerError
+    """The ModelSpec named by MODEL with --layers/--heads/--kv-heads/--head-dim set in its config, so
+    the family's rules and checks apply to them; or a custom spec from those flags alone."""
+    from kvledger.errors import ConfigError, KVLedgerError
     from kvledger.spec import ModelSpec, load_model_spec
 
-    if args.model:
-        spec = load_model_spec(args.model)
-    elif args.layers and args.kv_heads and args.head_dim:
-        heads = args.heads or args.kv_heads
-        spec = ModelSpec.from_config_dict({
-            "num_hidden_layers": args.layers, "num_attention_heads": heads, "num_key_value_heads": args.kv_heads,
-            "head_dim": args.head_dim, "hidden_size": heads * args.head_dim, "torch_dtype": "bfloat16",
-        }, name="custom")
-    else:
+    given = {flag: value for flag, value in (("--layers", args.layers), ("--heads", args.heads),
+                                             ("--kv-heads", args.kv_heads), ("--head-dim", args.head_dim)) if value}
+    if not args.model and not (args.layers and args.kv_heads and args.head_dim):
         raise KVLedgerError("give a MODEL (preset, config.json or directory) or all of --layers, --kv-heads and --head-dim")
-    overrides = {k: v for k, v in (("num_layers", args.layers), ("num_kv_heads", args.kv_heads),
-                                   ("head_dim", args.head_dim)) if v}
-    if args.model and overrides:
-        if "num_layers" in overrides:
-            overrides["layer_types"] = spec.layer_types[:1] * overrides["num_layers"]
-        spec = spec.with_overrides(**overrides)
-    return spec
+    try:
+        if not args.model:
+            return ModelSpec.custom(args.layers, args.kv_heads, args.head_dim, heads=args.heads)
+        spec = load_model_spec(args.model)
+        return spec.with_config(**_config_overrides(spec, args)) if given else spec
+    except ConfigError as err:
+        if not given:
+            raise
+        raise ConfigError(f"{' '.join(f'{flag} {value}' for flag, value in given.items())}: {err}") from None
+
+
+def _config_overrides(spec, args: argparse.Namespace) -> dict[str, int]:
+    """config.json keys for the flags given. ``d_h`` stays the model's unless --head-dim is given
+    (a family that derives it as hidden_size / heads would otherwise change it with --heads); MLA
+    caches a latent, not KV heads of ``d_h``, so --kv-heads and --head-dim do not apply to it."""
+    from kvledger.errors import KVLedgerError
+
+    keys = {k: v for k, v in (("num_hidden_layers", args.layers), ("num_attention_heads", args.heads),
+                              ("num_key_value_heads", args.kv_heads), ("head_dim", args.head_dim)) if v}
+    if spec.is_mla:
+        for flag, value in (("--kv-heads", args.kv_heads), ("--head-dim", args.head_dim)):
+            if value:
+                raise KVLedgerError(f"{flag} does not apply to {spec.name}: MLA caches one latent of kv_lora_rank + "
+                                  f"qk_rope_head_dim = {spec.kv_lora_rank + spec.qk_rope_head_dim} elements per token "
+                                  "per layer, not KV heads")
+        if args.heads:  # MLA expands one K and V per attention head
+            keys["num_key_value_heads"] = args.heads
+    elif args.heads and not args.head_dim:
+        keys["head_dim"] = spec.head_dim
+    return keys
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from kvledger.cli.common import positive_int, print_json
-
-QUANTIZED = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+from kvledger.spec.dtypes import KV_QUALITY_DEFAULT_KINDS, QUANTIZED_KV_DTYPES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,8 +18,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or a model directory")
     p.add_argument("--text", default=None, metavar="FILE",
                    help="UTF-8 text (default: the Python language reference shipped with Python)")
-    p.add_argument("--kv-cache-dtype", nargs="+", action="extend", choices=QUANTIZED, metavar="D", dest="kinds",
-                   help="8-bit kinds to compare with the unquantized cache (default: int8 fp8_e4m3 fp8_e5m2)")
+    p.add_argument("--kv-cache-dtype", nargs="+", action="extend", choices=QUANTIZED_KV_DTYPES, metavar="D",
+                   dest="kinds", help="8-bit kinds to compare with the unquantized cache "
+                                      f"(default: {' '.join(KV_QUALITY_DEFAULT_KINDS)})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="model dtype, also the reference cache's (default float32)")
     p.add_argument("--max-tokens", type=positive_int, default=6400, help="tokens of the text to read (default 6400)")
@@ -37,12 +36,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
-    from kvledger.errors import KVLedgerError
+    from kvledger.plotting import pyplot
+
+    if args.plot:
+        pyplot(args.plot)  # a wrong name or a missing matplotlib fails now, not after the run
     from kvledger.kv_quality import QualityConfig, run_kv_quality, to_json
 
-    if args.plot and Path(args.plot).suffix.lower() != ".png":
-        raise KVLedgerError(f"--plot writes a PNG: give a file name ending in .png, got {args.plot!r}")
-    kinds = tuple(dict.fromkeys(args.kinds or ("int8", "fp8_e4m3", "fp8_e5m2")))
+    kinds = tuple(dict.fromkeys(args.kinds or KV_QUALITY_DEFAULT_KINDS))
     cfg = QualityConfig(model=args.model, text=args.text, kv_cache_dtypes=kinds, dtype=args.dtype,
                         max_tokens=args.max_tokens, num_buckets=args.buckets, chunk_tokens=args.chunk,
                         greedy_new_tokens=args.greedy_tokens)
@@ -69,16 +69,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def plot_quality(report, path: str) -> None:
-    from kvledger.errors import KVLedgerError
+    """KL, top-1 agreement and perplexity increase per context bucket, one line per cache, to a PNG."""
+    from kvledger.plotting import pyplot, save_png
 
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise KVLedgerError("--plot needs matplotlib: pip install 'kvledger[plot]'") from None
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = pyplot(path).subplots(1, 3, figsize=(15, 4.2))
     reference = next(iter(report.values()))  # the unquantized cache comes first
     for name, q in report.items():
         mids = [(b.start + b.end) / 2 for b in q.buckets]
@@ -91,8 +85,6 @@ def plot_quality(report, path: str) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_yscale("symlog", linthresh=1e-4)
     axes[0].legend()
-    meta = next(iter(report.values())).meta
+    meta = reference.meta
     fig.suptitle(f"KV-cache quantization along the context: {meta['model']}, {meta['tokens']:,} tokens")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)

@@ -7,6 +7,11 @@ from dataclasses import asdict
 from typing import Any
 
 from kvledger.cli.common import add_kv_cache_dtype, fraction, positive_int, print_json, rate, size
+from kvledger.planner.bandwidth import CROSSOVER_CONTEXT, DEFAULT_BANDWIDTH_EFFICIENCY
+from kvledger.planner.memory_wall import (DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION,
+                                          DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS)
+from kvledger.spec.weights import WEIGHT_DTYPE_BYTES
+from kvledger.units import GiB
 
 
 def add_memory_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,8 +20,8 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", required=True, metavar="NAME", help="GPU from the catalog, e.g. a100-80gb, h100-80gb, l4")
     p.add_argument("--gpu-memory", type=size, metavar="SIZE",
                    help="override the card's memory (bytes or e.g. 80GiB); default: what the device reports")
-    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
-                   help="share of the card the engine may claim (default 0.9, vLLM's)")
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=DEFAULT_GPU_MEMORY_UTILIZATION, metavar="F",
+                   help=f"share of the card the engine may claim (default {DEFAULT_GPU_MEMORY_UTILIZATION}, vLLM's)")
     p.add_argument("--overhead", type=size, metavar="SIZE",
                    help="replaces the sum of activation peak, non-torch and CUDA-graph memory")
     p.add_argument("--activation-memory", type=size, metavar="SIZE", help="override the activation-peak estimate")
@@ -27,15 +32,18 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     add_kv_cache_dtype(p)
     p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
                    help="tensor-parallel ranks; weights and KV heads split, numbers are per card (default 1)")
-    p.add_argument("--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block (default 16)")
-    p.add_argument("--weights-dtype", choices=("float32", "bfloat16", "float16", "fp8", "int8", "int4", "mxfp4"),
-                   metavar="D", help="weights at this size instead of the checkpoint's (e.g. int8, int4)")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, metavar="N",
-                   help="tokens in the profiling pass that sets the activation peak (default 8192)")
+    p.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE, metavar="N",
+                   help=f"tokens per KV block (default {DEFAULT_BLOCK_SIZE})")
+    p.add_argument("--weights-dtype", choices=tuple(WEIGHT_DTYPE_BYTES), metavar="D",
+                   help=f"weights at this size instead of the checkpoint's: {', '.join(WEIGHT_DTYPE_BYTES)}")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS, metavar="N",
+                   help=f"tokens in the profiling pass that sets the activation peak (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    p.add_argument("--max-num-seqs", type=positive_int, default=DEFAULT_MAX_NUM_SEQS, metavar="N",
+                   help=f"concurrency cap; sizes the sampler in the profiling pass (default {DEFAULT_MAX_NUM_SEQS})")
     p.add_argument("--bandwidth", type=rate, metavar="RATE",
                    help="sustained memory bandwidth, e.g. 1.5TB/s (default: the card's peak x --bandwidth-efficiency)")
-    p.add_argument("--bandwidth-efficiency", type=fraction, default=0.75, metavar="F",
-                   help="share of the peak bandwidth a decode step sustains (default 0.75)")
+    p.add_argument("--bandwidth-efficiency", type=fraction, default=DEFAULT_BANDWIDTH_EFFICIENCY, metavar="F",
+                   help=f"share of the peak bandwidth a decode step sustains (default {DEFAULT_BANDWIDTH_EFFICIENCY})")
     p.add_argument("--json", action="store_true", help="print one JSON object with every number")
 
 
@@ -46,11 +54,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "leaves, users at 2K/8K/32K/128K, the decode-step bandwidth model, and sizing from a real trace.")
     add_memory_arguments(p)
     p.add_argument("--max-model-len", type=positive_int, metavar="N",
-                   help="per-sequence context ceiling; an error (as vLLM's) when the pool cannot hold one")
-    p.add_argument("--max-num-seqs", type=positive_int, default=256, metavar="N",
-                   help="concurrency cap; sizes the sampler in the profiling pass (default 256)")
+                   help="per-sequence context ceiling; an error (as vLLM's) when the pool cannot hold one "
+                        "or it exceeds the model's max_position_embeddings")
     p.add_argument("--users", type=positive_int, metavar="N", help="concurrent sequences for the bandwidth model")
-    p.add_argument("--context", type=positive_int, metavar="T", help="live tokens per sequence for the bandwidth model")
+    p.add_argument("--context", type=positive_int, metavar="T",
+                   help=f"live tokens per sequence for the bandwidth model and the crossover (default {CROSSOVER_CONTEXT})")
     p.add_argument("--workload", metavar="FILE", help="trace to size from: Azure CSV, Mooncake JSONL, or generic "
                                                       "CSV/JSONL with prompt_tokens,output_tokens[,timestamp]")
     p.add_argument("--shared-prefix-tokens", type=positive_int, metavar="N",
@@ -66,7 +74,7 @@ def memory_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         tensor_parallel_size=args.tensor_parallel_size, block_size=args.block_size, weights_dtype=args.weights_dtype,
         overhead=args.overhead, kv_cache_memory=args.kv_cache_memory, activation=args.activation_memory,
         non_torch=args.non_torch_memory, cuda_graph=args.cuda_graph_memory,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=getattr(args, "max_num_seqs", 256),
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
     )
 
 
@@ -98,12 +106,14 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     contexts = list(CONTEXTS) + ([args.max_model_len] if args.max_model_len and args.max_model_len not in CONTEXTS else [])
     users = {str(t): users_at(spec, wall, t) for t in contexts}
     bandwidth = bw.effective_bandwidth(gpu, args.bandwidth, args.bandwidth_efficiency)
-    crossover = bw.crossover_tokens(wall.weights_bytes, wall.token_bytes)
-    conversation = args.context or 8192
+    conversation = args.context or CROSSOVER_CONTEXT
+    token_bytes = bw.live_token_bytes(spec, wall.kv_cache_dtype, conversation, wall.tensor_parallel_size)
+    crossover = bw.crossover_tokens(wall.weights_bytes, token_bytes)
     out: dict[str, Any] = {
         "model": spec.name, "gpu": gpu.name, "gpu_full_name": gpu.full_name, "compute_capability": gpu.compute_capability,
+        "gpu_memory_given": args.gpu_memory is not None,
         **{k: v for k, v in asdict(wall).items() if k not in ("model", "gpu")},
-        "kv_pool_gib": wall.kv_pool_bytes / 2**30, "weights_gib": wall.weights_bytes / 2**30,
+        "kv_pool_gib": wall.kv_pool_bytes / GiB, "weights_gib": wall.weights_bytes / GiB,
         "users_per_context": users,
         "useful_work": {t: useful_work(n) for t, n in users.items()},
         "bandwidth_bytes_per_s": bandwidth,
@@ -114,11 +124,11 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         "notes": list(spec.notes),
     }
     model_max = spec.max_position_embeddings
-    if not args.max_model_len and model_max and check_max_model_len(spec, wall, int(model_max)):
-        out["notes"].append(f"vLLM would refuse to start with the model's default max_model_len ({int(model_max):,}): "
+    if not args.max_model_len and model_max and users_at(spec, wall, model_max) == 0:
+        out["notes"].append(f"vLLM would refuse to start with the model's default max_model_len ({model_max:,}): "
                             f"the pool holds {out['max_fitting_length']:,} tokens for one sequence; "
                             "set --max-model-len")
-    max_len = args.max_model_len or (int(model_max) if model_max else None)
+    max_len = args.max_model_len or model_max
     if max_len:
         out["max_model_len"] = max_len
         out["max_concurrency"] = wall.num_blocks / sequence_blocks(spec, wall, max_len)
@@ -135,11 +145,16 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def workload_report(args: argparse.Namespace, spec, gpu, wall, bandwidth: float) -> dict[str, Any]:
+    """The trace's lengths, its replay against the pool, the limits to set and the prefix savings.
+    The replay reads each live token at its cost in a sequence of the trace's mean live length
+    (exact for full-attention models; see ``bandwidth``)."""
     from kvledger.planner import bandwidth as bw
     from kvledger.planner import workload as wl
 
     trace = wl.read_trace(args.workload)
-    rep = wl.replay(trace, lambda live: bw.step_time(wall.weights_bytes, live, wall.token_bytes, bandwidth),
+    context = max(1, round(wl.mean_live_tokens(trace)))
+    token_bytes = bw.live_token_bytes(spec, wall.kv_cache_dtype, context, wall.tensor_parallel_size)
+    rep = wl.replay(trace, lambda live: bw.step_time(wall.weights_bytes, live, token_bytes, bandwidth),
                     bw.prefill_seconds_per_token(spec, gpu, wall.tensor_parallel_size))
     stats = rep.stats(wall.kv_tokens) if rep else None
     out = {
@@ -182,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------- text
 def _gib(n: float) -> str:
-    return f"{n / 2**30:,.2f}"
+    return f"{n / GiB:,.2f}"
 
 
 def print_plan(plan: dict[str, Any]) -> None:
@@ -196,10 +211,7 @@ def print_plan(plan: dict[str, Any]) -> None:
     print(f"on {gpu.name} ({gpu.full_name}, {gpu.sm}, {_gib(gpu.memory_bytes)} GiB, "
           f"{format_rate(gpu.bandwidth_bytes_per_s)})" + (f", TP {tp}: numbers are per card" if tp > 1 else ""))
     print()
-    from kvledger.planner.gpus import get_gpu
-
-    label = "total memory (as the device reports)" if get_gpu(gpu.name).memory_bytes == wall.total_bytes \
-        else "total memory (--gpu-memory)"
+    label = "total memory (--gpu-memory)" if plan["gpu_memory_given"] else "total memory (as the device reports)"
     rows = [(label, f"{wall.total_bytes:,}", _gib(wall.total_bytes))]
     if wall.kv_pool_given:
         rows.append(("- weights", f"{wall.weights_bytes:,}", _gib(wall.weights_bytes)))
@@ -253,16 +265,23 @@ def print_plan(plan: dict[str, Any]) -> None:
         print(f"plot written to {plan['plot']}")
 
 
+def _percentile_table(first: str, named: list[tuple[str, dict[str, float]]]) -> str:
+    """One row per (label, ``workload.percentiles`` dict), one column per statistic (mean, p50, ...)."""
+    from tabulate import tabulate
+
+    keys = list(named[0][1])
+    rows = [(label, *(f"{stats[k]:,.0f}" for k in keys)) for label, stats in named]
+    return tabulate(rows, headers=[first, *keys], colalign=("left",) + ("right",) * len(keys))
+
+
 def print_workload(w: dict[str, Any], wall) -> None:
     from tabulate import tabulate
 
     print()
     span = f" over {w['duration_s'] / 60:.1f} min" if w["duration_s"] else ""
     print(f"workload {w['file']} ({w['format']}): {w['requests']:,} requests{span}")
-    keys = ("mean", "p50", "p90", "p99", "max")
-    rows = [(name, *(f"{w[k][q]:,.0f}" for q in keys))
-            for name, k in (("prompt", "prompt_tokens"), ("output", "output_tokens"), ("prompt+output", "total_tokens"))]
-    print(tabulate(rows, headers=["tokens", *keys], colalign=("left",) + ("right",) * 5))
+    print(_percentile_table("tokens", [("prompt", w["prompt_tokens"]), ("output", w["output_tokens"]),
+                                       ("prompt+output", w["total_tokens"])]))
     print()
     rows = [(f"{h['lo']:,}-{h['hi']:,}" if h["hi"] else f"{h['lo']:,}+", f"{h['prompt']:,}", f"{h['output']:,}",
              f"{h['total']:,}")
@@ -273,9 +292,7 @@ def print_workload(w: dict[str, Any], wall) -> None:
         print()
         print(f"live tokens over the trace (replayed, step {r['step_time_s'] * 1e3:.1f} ms) against the pool "
               f"of {wall.kv_tokens:,} tokens:")
-        rows = [(name, *(f"{r[k][q]:,.0f}" for q in keys)) for name, k in
-                (("live tokens", "live_tokens"), ("sequences", "sequences"))]
-        print(tabulate(rows, headers=["", *keys], colalign=("left",) + ("right",) * 5))
+        print(_percentile_table("", [("live tokens", r["live_tokens"]), ("sequences", r["sequences"])]))
         print(f"time with demand above the pool: {r['time_over_pool']:.1%}")
     else:
         print("no timestamps in the trace: live tokens over time are not replayed")

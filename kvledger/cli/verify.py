@@ -39,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(asdict(result))
     else:
-        kind = "MHA" if cfg.heads == cfg.kv_heads else ("MQA" if cfg.kv_heads == 1 else "GQA")
-        print(f"{cfg.layers} layer(s), {cfg.heads} query head(s) over {cfg.kv_heads} KV head(s) ({kind}), d_h {cfg.head_dim}, "
+        print(f"{cfg.layers} layer(s), {cfg.heads} query head(s) over {cfg.kv_heads} KV head(s) "
+              f"({cfg.spec().attention_kind}), d_h {cfg.head_dim}, "
               f"{cfg.tokens} {cfg.dtype} tokens, batch {cfg.batch}, RoPE {'on' if cfg.rope else 'off'}")
         ok = "ok" if result.max_abs_diff <= result.tolerance else "FAIL"
         print(f"max |full - cached|  {result.max_abs_diff:.3e}  (tolerance {result.tolerance:.0e})  {ok}")

@@ -25,7 +25,7 @@ from typing import Any
 from kvledger.errors import KVLedgerError
 from kvledger.planner.bandwidth import decode_step, effective_bandwidth, kv_read_bytes
 from kvledger.planner.gpus import GPU
-from kvledger.planner.memory_wall import MemoryWall, plan_memory, sequence_blocks
+from kvledger.planner.memory_wall import MemoryWall, plan_memory, users_at
 from kvledger.spec import ModelSpec
 from kvledger.spec.dtypes import QUANTIZED_KV_DTYPES
 
@@ -81,14 +81,6 @@ class Advice:
     notes: list[str] = field(default_factory=list)
 
 
-def _users(spec: ModelSpec, wall: MemoryWall, tokens: int, shared_prefix: int = 0) -> int:
-    """Users of ``tokens`` live tokens that ``wall`` holds; ``shared_prefix`` tokens (whole
-    blocks only, as prefix caching shares blocks) are held once for everyone."""
-    shared_blocks = shared_prefix // wall.block_size
-    per_user = sequence_blocks(spec, wall, tokens) - shared_blocks
-    return max(0, (wall.num_blocks - shared_blocks) // max(per_user, 1))
-
-
 def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int, users: int, target_users: int,
            shared_prefix_tokens: int = 0, bandwidth: float | None = None, **memory: Any) -> Advice:
     """Rank the levers for the scenario. ``memory`` takes ``plan_memory``'s keyword arguments."""
@@ -101,7 +93,7 @@ def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int,
         raise KVLedgerError(f"--shared-prefix-tokens ({shared_prefix_tokens}) exceeds --prompt-tokens ({prompt_tokens})")
     wall = plan_memory(spec, gpu, **memory)
     per_user = prompt_tokens + output_tokens
-    capacity = _users(spec, wall, per_user)
+    capacity = users_at(spec, wall, per_user)
     live_now = users * per_user
     binding = "capacity" if users >= CAPACITY_BINDS_AT * capacity else "concurrency"
     bw = effective_bandwidth(gpu, bandwidth)
@@ -118,7 +110,7 @@ def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int,
     levers: list[Lever] = []
     duplicated = target_users * shared_prefix_tokens
     if shared_prefix_tokens:
-        after = _users(spec, wall, per_user, shared_prefix_tokens)
+        after = users_at(spec, wall, per_user, shared_prefix_tokens)
         levers.append(lever(
             "prefix-caching", "--enable-prefix-caching", after, "none",
             f"the {shared_prefix_tokens:,}-token shared prefix across {target_users} users is {duplicated:,} duplicated "
@@ -128,21 +120,20 @@ def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int,
         levers.append(lever("prefix-caching", "--enable-prefix-caching", capacity, "none",
                             "no shared prefix given (--shared-prefix-tokens): nothing to share for diverse one-shot traffic"))
 
-    util = memory.get("gpu_memory_utilization", 0.9)
-    raised = plan_memory(spec, gpu, **{**memory, "gpu_memory_utilization": max(util, RAISED_UTILIZATION)}) \
-        if memory.get("kv_cache_memory") is None else wall
-    after = _users(spec, raised, per_user)
+    util = max(wall.gpu_memory_utilization, RAISED_UTILIZATION)
+    raised = wall if wall.kv_pool_given else plan_memory(spec, gpu, **{**memory, "gpu_memory_utilization": util})
+    after = users_at(spec, raised, per_user)
     served = max(1, min(after, cap))
     levers.append(lever(
-        "admission-control", f"--max-num-seqs {served} --gpu-memory-utilization {max(util, RAISED_UTILIZATION)}", after,
+        "admission-control", f"--max-num-seqs {served} --gpu-memory-utilization {util}", after,
         "latency",
         f"the pool holds {after} such users, {users} are admitted; free, but each decode step reads more KV: "
         f"{step_ms(users):.0f} ms -> {step_ms(served):.0f} ms per token at {served} users; check the TPOT SLO"))
 
     model_max = int(spec.max_position_embeddings or per_user)
     max_len = math.ceil(per_user / wall.block_size) * wall.block_size
-    before = wall.num_blocks // sequence_blocks(spec, wall, max(model_max, max_len))
-    after = wall.num_blocks // sequence_blocks(spec, wall, max_len)
+    before = users_at(spec, wall, max(model_max, max_len))
+    after = users_at(spec, wall, max_len)
     levers.append(lever(
         "max-model-len", f"--max-model-len {max_len}", after, "rejections",
         f"worst-case reservations: {before} users at the model's {model_max:,} tokens, {after} at {max_len:,} "
@@ -152,7 +143,7 @@ def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int,
         kinds = (["fp8"] if gpu.fp8_kv else []) + ["int8"]
         for kind in kinds:
             alt = plan_memory(spec, gpu, **{**memory, "kv_cache_dtype": kind})
-            after = _users(spec, alt, per_user)
+            after = users_at(spec, alt, per_user)
             ratio = alt.num_blocks / wall.num_blocks
             levers.append(lever(
                 f"kv-cache-{kind}", f"--kv-cache-dtype {kind}", after, f"quality-{kind}",
@@ -162,21 +153,18 @@ def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int,
         f"FP8 KV is not offered: {gpu.name} is {gpu.sm}; FP8 KV cache needs SM 8.9+ (Ada, Hopper, Blackwell); "
         "below that it either refuses to run or silently emulates"]
 
-    tp = memory.get("tensor_parallel_size", 1)
-    bigger = next((n for n in (2 * tp, 4 * tp, 8 * tp) if spec.num_attention_heads % n == 0), None)
-    try:
-        alt = plan_memory(spec, gpu, **{**memory, "tensor_parallel_size": bigger}) if bigger else None
-    except KVLedgerError:
-        alt = None
-    if alt is not None:
-        after = _users(spec, alt, per_user)
+    tp = wall.tensor_parallel_size
+    bigger = _bigger_tensor_parallel(spec, gpu, memory, tp)
+    if bigger is not None:
+        size, alt = bigger
+        after = users_at(spec, alt, per_user)
         levers.append(lever(
-            "tensor-parallel", f"--tensor-parallel-size {bigger}", after, "hardware",
-            f"{bigger} GPUs split weights and KV heads: {alt.kv_tokens:,} tokens per rank; price: {bigger // tp}x the "
+            "tensor-parallel", f"--tensor-parallel-size {size}", after, "hardware",
+            f"{size} GPUs split weights and KV heads: {alt.kv_tokens:,} tokens per rank; price: {size // tp}x the "
             "GPUs and an all-reduce per layer"))
 
     shorter = int((prompt_tokens - shared_prefix_tokens) * SHORTER_CONTEXT_FACTOR) + shared_prefix_tokens
-    after = _users(spec, wall, shorter + output_tokens)
+    after = users_at(spec, wall, shorter + output_tokens)
     levers.append(lever(
         "shorter-contexts", "(retrieval / summarisation)", after, "product",
         f"assuming the prompt shrinks to {shorter:,} tokens; the largest lever in theory and the slowest to ship, "
@@ -190,3 +178,14 @@ def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int,
         duplicated_prefix_tokens=duplicated, prefix_share_of_pool=duplicated / wall.kv_tokens,
         levers=levers, notes=notes,
     )
+
+
+def _bigger_tensor_parallel(spec: ModelSpec, gpu: GPU, memory: dict[str, Any], tp: int) -> tuple[int, MemoryWall] | None:
+    """The first of 2, 4 and 8 times ``tp`` ranks that plans (its ranks split the heads and the
+    model fits), with its wall; ``None`` when none does."""
+    for size in (2 * tp, 4 * tp, 8 * tp):
+        try:
+            return size, plan_memory(spec, gpu, **{**memory, "tensor_parallel_size": size})
+        except KVLedgerError:
+            continue
+    return None

@@ -9,6 +9,14 @@ live KV cache. At a sustained bandwidth ``bw`` (bytes/s):
 KV traffic equals weight traffic at ``weights / bytes_per_token`` live tokens: the crossover.
 Below it, quantizing weights pays most; above it, the cache owns the bandwidth. A bound, not a
 benchmark: fused kernels beat parts of it. All bytes are per rank (one card).
+
+One arithmetic serves every KV read: ``kv_read_bytes`` (Eq 2.2's elements plus per-token scales,
+sliding layers reading only their window). Where only a count of live tokens is known (the
+crossover, the trace replay), each live token costs ``live_token_bytes(context)``: the read of
+one ``context``-token sequence divided by its tokens. That is exact when every sequence holds
+``context`` tokens; for a full-attention model it is exact for any mix of lengths (every token
+costs every layer); for a sliding-window model with mixed lengths it is the cost at a typical
+length, an approximation, since the window caps each sequence, not the sum.
 """
 
 from __future__ import annotations
@@ -17,11 +25,13 @@ import math
 from dataclasses import dataclass
 
 from kvledger.planner.gpus import GPU
-from kvledger.spec import ModelSpec, kv_bytes
+from kvledger.spec import ModelSpec, count_params, kv_bytes
 
 DEFAULT_BANDWIDTH_EFFICIENCY = 0.75
 """Share of the datasheet bandwidth a decode step sustains. The chapter's "realistically
 achievable ~1.5 TB/s" on an A100 80 GB (2.039 TB/s peak) is 0.74 of peak."""
+CROSSOVER_CONTEXT = 8192
+"""Tokens per conversation in which the crossover is counted when no context is given (the chapter's 8K)."""
 
 
 @dataclass(frozen=True)
@@ -62,13 +72,22 @@ def decode_step(weights_bytes: int, kv_bytes_per_step: int, users: int, context:
     )
 
 
-def step_time(weights_bytes: int, live_tokens: float, token_bytes: int, bandwidth: float) -> float:
-    """Seconds per decode step with ``live_tokens`` cached tokens in the batch."""
+def live_token_bytes(spec: ModelSpec, kv_cache_dtype: str, context: int, tensor_parallel_size: int = 1) -> float:
+    """KV bytes a step reads per live token when sequences hold ``context`` tokens (per rank):
+    ``kv_read_bytes`` of one such sequence over ``context``. Every layer's full cost for a
+    full-attention model; less beyond the window for a sliding-window model."""
+    return kv_read_bytes(spec, kv_cache_dtype, 1, context, tensor_parallel_size) / context
+
+
+def step_time(weights_bytes: int, live_tokens: float, token_bytes: float, bandwidth: float) -> float:
+    """Seconds per decode step with ``live_tokens`` cached tokens in the batch, each read at
+    ``token_bytes`` (``live_token_bytes``)."""
     return (weights_bytes + live_tokens * token_bytes) / bandwidth
 
 
-def crossover_tokens(weights_bytes: int, token_bytes: int) -> int:
-    """Live tokens at which a step's KV traffic equals its weight traffic (rounded up)."""
+def crossover_tokens(weights_bytes: int, token_bytes: float) -> int:
+    """Live tokens at which a step's KV traffic equals its weight traffic (rounded up), each live
+    token read at ``token_bytes`` (``live_token_bytes``)."""
     return math.ceil(weights_bytes / token_bytes)
 
 
@@ -78,10 +97,8 @@ PREFILL_EFFICIENCY = 0.5
 
 def active_params(spec: ModelSpec) -> int:
     """Parameters one token passes through: all of them, less the experts it is not routed to."""
-    from kvledger.spec import count_params
-
     params = count_params(spec)
-    if not spec.is_moe or not spec.num_experts:
+    if not spec.is_moe:
         return params.total
     unused = params.expert * (1 - spec.num_experts_per_token / spec.num_experts)
     return int(params.total - unused)

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 from kvledger.errors import KVLedgerError
 from kvledger.planner.gpus import GPU, check_kv_dtype_supported
-from kvledger.spec import KVBytes, ModelSpec, kv_bytes, weights_bytes
-
-GiB = 1 << 30
+from kvledger.spec import ModelSpec, kv_bytes, weights_bytes
+from kvledger.units import GiB
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 """vLLM's default ``--gpu-memory-utilization``."""
@@ -45,6 +46,8 @@ CUDA_GRAPH_BYTES = int(0.5 * GiB)
 
 CONTEXTS = (2048, 8192, 32768, 131072)
 """The chapter's context lengths for the users-per-context table (tokens)."""
+TP_HINT_SIZES = (2, 4, 8, 16, 32, 64)
+"""Tensor-parallel sizes the does-not-fit error tries, smallest first."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,21 @@ def default_overheads(spec: ModelSpec, tensor_parallel_size: int = 1,
     )
 
 
+def overheads(spec: ModelSpec, tensor_parallel_size: int = 1, *, overhead: int | None = None,
+              activation: int | None = None, non_torch: int | None = None, cuda_graph: int | None = None,
+              max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+              max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> Overheads:
+    """The overhead terms at ``tensor_parallel_size``: each user value (bytes per rank) where
+    given, else its default; ``overhead`` replaces their sum."""
+    terms = default_overheads(spec, tensor_parallel_size, max_num_batched_tokens, max_num_seqs)
+    return Overheads(
+        activation_bytes=terms.activation_bytes if activation is None else activation,
+        non_torch_bytes=terms.non_torch_bytes if non_torch is None else non_torch,
+        cuda_graph_bytes=terms.cuda_graph_bytes if cuda_graph is None else cuda_graph,
+        given_total=overhead,
+    )
+
+
 @dataclass(frozen=True)
 class MemoryWall:
     """One card's memory, term by term, and the KV capacity it leaves. Bytes per rank."""
@@ -133,8 +151,8 @@ class MemoryWall:
 
     @property
     def token_bytes(self) -> int:
-        """What one cached token costs on one rank: elements plus scales."""
-        return self.bytes_per_token + self.scale_bytes_per_token
+        """What one cached token costs on one rank in every layer: elements plus scales."""
+        return self.block_bytes // self.block_size
 
 
 def plan_memory(
@@ -165,17 +183,14 @@ def plan_memory(
         if value is not None and value < 0:
             raise KVLedgerError(f"{flag} must not be negative, got {value}")
     tp = tensor_parallel_size
-    kvb: KVBytes = kv_bytes(spec, kv_cache_dtype, tensor_parallel_size=tp)
+    kvb = kv_bytes(spec, kv_cache_dtype, tensor_parallel_size=tp)
     check_kv_dtype_supported(gpu, kvb.kv_cache_dtype)
     all_weights = weights_bytes(spec, weights_dtype)
     weights = math.ceil(all_weights / tp)
-    terms = default_overheads(spec, tp, max_num_batched_tokens, max_num_seqs)
-    terms = Overheads(
-        activation_bytes=terms.activation_bytes if activation is None else activation,
-        non_torch_bytes=terms.non_torch_bytes if non_torch is None else non_torch,
-        cuda_graph_bytes=terms.cuda_graph_bytes if cuda_graph is None else cuda_graph,
-        given_total=overhead,
-    )
+    overheads_at = partial(overheads, spec, overhead=overhead, activation=activation, non_torch=non_torch,
+                           cuda_graph=cuda_graph, max_num_batched_tokens=max_num_batched_tokens,
+                           max_num_seqs=max_num_seqs)
+    terms = overheads_at(tp)
     requested = int(gpu.memory_bytes * gpu_memory_utilization)
     if kv_cache_memory is not None:
         pool = kv_cache_memory
@@ -186,13 +201,13 @@ def plan_memory(
     else:
         pool = requested - weights - terms.total
         if pool <= 0:
-            raise KVLedgerError(_does_not_fit(spec, gpu, weights, all_weights, terms.total, requested, tp,
-                                              gpu_memory_utilization, weights_dtype))
-    token_bytes = kvb.token_bytes
+            fits = _fitting_tp(spec, kv_cache_dtype, block_size, all_weights, requested, tp, overheads_at)
+            raise KVLedgerError(_does_not_fit(spec, gpu, weights, terms.total, requested, tp, gpu_memory_utilization,
+                                              weights_dtype, fits))
     blocks = kvb.num_blocks(pool, block_size)  # the engine sizes its block pool with the same call
     if blocks == 0:
         raise KVLedgerError(f"the KV pool ({pool:,} bytes) holds not even one block of {block_size} tokens "
-                            f"({block_size * token_bytes:,} bytes); give the cache more memory")
+                            f"({block_size * kvb.token_bytes:,} bytes); give the cache more memory")
     return MemoryWall(
         model=spec.name, gpu=gpu.name, total_bytes=gpu.memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
         requested_bytes=requested, weights_bytes=weights, weights_bytes_all_ranks=all_weights,
@@ -200,23 +215,35 @@ def plan_memory(
         cuda_graph_bytes=terms.cuda_graph_bytes, overhead_bytes=terms.total, overhead_given=overhead is not None,
         kv_pool_bytes=pool, kv_pool_given=kv_cache_memory is not None, kv_cache_dtype=kvb.kv_cache_dtype,
         bytes_per_token=kvb.bytes_per_token, scale_bytes_per_token=kvb.scale_bytes_per_token,
-        block_size=block_size, block_bytes=block_size * token_bytes, num_blocks=blocks, kv_tokens=blocks * block_size,
-        tensor_parallel_size=tp, sliding_window=spec.sliding_window, num_sliding_layers=spec.num_sliding_layers,
+        block_size=block_size, block_bytes=block_size * kvb.token_bytes, num_blocks=blocks,
+        kv_tokens=blocks * block_size, tensor_parallel_size=tp, sliding_window=spec.sliding_window,
+        num_sliding_layers=spec.num_sliding_layers,
     )
 
 
-def _does_not_fit(spec: ModelSpec, gpu: GPU, weights: int, all_weights: int, overhead: int, requested: int,
-                  tp: int, utilization: float, weights_dtype: str | None) -> str:
-    """The one-line error for weights (plus overhead) larger than the card, with a TP that fits."""
-    fits = None
-    for size in (2, 4, 8, 16, 32, 64):
-        if size <= tp or spec.num_attention_heads % size:
+def _fitting_tp(spec: ModelSpec, kv_cache_dtype: str, block_size: int, all_weights: int, requested: int, tp: int,
+                overheads_at: Callable[[int], Overheads]) -> int | None:
+    """The smallest tensor-parallel size above ``tp`` whose ranks split the heads and leave a KV
+    pool of at least one block, with ``overheads_at(size)`` as the overhead there; ``None`` when
+    none does."""
+    for size in TP_HINT_SIZES:
+        if size <= tp:
             continue
-        trial = default_overheads(spec, size).total if overhead is None else overhead
-        if math.ceil(all_weights / size) + trial < requested:
-            fits = size
-            break
-    hint = f"--tensor-parallel-size {fits} would fit" if fits else "no tensor-parallel size up to 64 fits; use a bigger card"
+        try:
+            kvb = kv_bytes(spec, kv_cache_dtype, tensor_parallel_size=size)
+        except KVLedgerError:  # the heads do not split over this many ranks
+            continue
+        pool = requested - math.ceil(all_weights / size) - overheads_at(size).total
+        if kvb.num_blocks(pool, block_size) > 0:
+            return size
+    return None
+
+
+def _does_not_fit(spec: ModelSpec, gpu: GPU, weights: int, overhead: int, requested: int, tp: int,
+                  utilization: float, weights_dtype: str | None, fits: int | None) -> str:
+    """The one-line error for weights (plus overhead) larger than the card, with a TP that fits."""
+    hint = (f"--tensor-parallel-size {fits} would fit" if fits else
+            f"no tensor-parallel size up to {TP_HINT_SIZES[-1]} fits; use a bigger card")
     return (f"{spec.name} does not fit on {gpu.name}: weights {weights / GiB:.2f} GiB per rank (TP {tp}"
             f"{', ' + weights_dtype if weights_dtype else ''}) + overhead {overhead / GiB:.2f} GiB > "
             f"{gpu.memory_bytes / GiB:.2f} GiB x {utilization} = {requested / GiB:.2f} GiB; {hint}"
@@ -237,16 +264,28 @@ def sequence_blocks(spec: ModelSpec, wall: MemoryWall, tokens: int) -> int:
     return math.ceil(kvb.slot_bytes / wall.block_bytes)
 
 
-def users_at(spec: ModelSpec, wall: MemoryWall, tokens: int) -> int:
-    """Concurrent sequences of ``tokens`` cached tokens each that the pool holds."""
-    return wall.num_blocks // sequence_blocks(spec, wall, tokens)
+def users_at(spec: ModelSpec, wall: MemoryWall, tokens: int, shared_prefix: int = 0) -> int:
+    """Concurrent sequences of ``tokens`` cached tokens each that the pool holds. With prefix
+    caching, the first ``shared_prefix`` tokens (whole blocks only, as blocks are what is shared)
+    are held once for every sequence."""
+    shared_blocks = shared_prefix // wall.block_size
+    per_sequence = sequence_blocks(spec, wall, tokens) - shared_blocks
+    return max(0, (wall.num_blocks - shared_blocks) // max(per_sequence, 1))
 
 
-def max_fitting_length(spec: ModelSpec, wall: MemoryWall) -> int:
-    """The longest single sequence the pool holds (tokens): vLLM's "estimated maximum model length"."""
-    lo, hi = 0, wall.num_blocks * wall.block_size
-    if wall.num_sliding_layers:
-        hi = max(hi, 1) * 64  # windows make long sequences cheap; search wider
+def max_fitting_length(spec: ModelSpec, wall: MemoryWall) -> int | None:
+    """The longest single sequence (tokens) the pool holds, at most the model's context
+    (``max_position_embeddings``): vLLM's "estimated maximum model length", which it too searches
+    up to the model's limit. A sequence costs at least its full-attention layers' share of every
+    token, so without a context limit the pool bounds it; ``None`` when nothing does (every layer
+    slides, the config names no context, and one window fits)."""
+    limits = [spec.max_position_embeddings] if spec.max_position_embeddings else []
+    if spec.num_full_layers:
+        limits.append(wall.kv_tokens * spec.num_layers // spec.num_full_layers)
+    hi = min(limits) if limits else spec.sliding_window
+    if not limits and sequence_blocks(spec, wall, hi) <= wall.num_blocks:
+        return None
+    lo = 0
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if sequence_blocks(spec, wall, mid) <= wall.num_blocks:
@@ -257,7 +296,13 @@ def max_fitting_length(spec: ModelSpec, wall: MemoryWall) -> int:
 
 
 def check_max_model_len(spec: ModelSpec, wall: MemoryWall, max_model_len: int) -> str | None:
-    """``None`` when one ``max_model_len`` sequence fits, else vLLM's start-up error, with numbers."""
+    """``None`` when one ``max_model_len`` sequence can run, else vLLM's start-up error, with numbers:
+    longer than the model's context (``max_position_embeddings``), or more than the pool holds."""
+    model_max = spec.max_position_embeddings
+    if model_max and max_model_len > model_max:
+        return (f"--max-model-len {max_model_len:,} is greater than the model's context, max_position_embeddings "
+                f"= {model_max:,} in {spec.name}'s config; vLLM refuses it (unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, "
+                "at the risk of wrong outputs); lower --max-model-len")
     need = sequence_blocks(spec, wall, max_model_len)
     if need <= wall.num_blocks:
         return None

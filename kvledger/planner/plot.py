@@ -1,42 +1,33 @@
 """Figures for ``kvledger plan --plot``: users vs context length, the memory wall, the length
-histogram. matplotlib is optional (the ``plot`` extra) and imported only here, when asked."""
+histogram. matplotlib is optional (the ``plot`` extra; see ``kvledger.plotting``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvledger.errors import KVLedgerError
+from kvledger.plotting import pyplot, save_png
+from kvledger.units import GiB
 
 if TYPE_CHECKING:
     from kvledger.planner.memory_wall import MemoryWall
     from kvledger.planner.workload import Trace
     from kvledger.spec import ModelSpec
 
-GiB = 1 << 30
-
 
 def plot_plan(path: str | Path, spec: "ModelSpec", wall: "MemoryWall", trace: "Trace | None" = None) -> Path:
     """Write a PNG with two panels (three with a trace) and return its path."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise KVLedgerError("--plot needs matplotlib: pip install 'kvledger[plot]'") from None
+    plt = pyplot(path)
     from kvledger.planner.memory_wall import CONTEXTS, users_at
 
-    out = Path(path)
-    if out.suffix.lower() != ".png":
-        raise KVLedgerError(f"--plot writes a PNG: give a file name ending in .png, got {out.name!r}")
     panels = 3 if trace is not None else 2
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2))
     ax = axes[0]
-    contexts = [2 ** k for k in range(9, 18)]
-    ax.plot(contexts, [users_at(spec, wall, t) for t in contexts], marker="o")
+    contexts = sorted({*(2 ** k for k in range(9, 18)), *CONTEXTS})
+    users = {t: users_at(spec, wall, t) for t in contexts}  # one count per point
+    ax.plot(contexts, list(users.values()), marker="o")
     for t in CONTEXTS:
-        ax.annotate(str(users_at(spec, wall, t)), (t, users_at(spec, wall, t)), textcoords="offset points", xytext=(4, 6))
+        ax.annotate(str(users[t]), (t, users[t]), textcoords="offset points", xytext=(4, 6))
     ax.set(xscale="log", yscale="log", xlabel="context per user (tokens)", ylabel="concurrent users",
            title=f"{spec.name} on {wall.gpu}: users vs context")
     ax.grid(True, which="both", alpha=0.3)
@@ -64,11 +55,4 @@ def plot_plan(path: str | Path, spec: "ModelSpec", wall: "MemoryWall", trace: "T
             ax.axvline(float(np.percentile(trace.total, q)), linestyle="--", color="k", alpha=0.5)
         ax.set(xscale="log", xlabel="tokens", ylabel="requests", title=f"{trace.name}: lengths (p50, p99 dashed)")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    try:
-        fig.savefig(out, dpi=110)
-    except OSError as err:
-        raise KVLedgerError(f"cannot write --plot {out}: {err.strerror}") from None
-    finally:
-        plt.close(fig)
-    return out
+    return save_png(fig, path)

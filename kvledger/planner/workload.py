@@ -210,6 +210,11 @@ def histogram(trace: Trace, edges: tuple[int, ...] = HISTOGRAM_EDGES) -> list[di
     return rows
 
 
+def mean_live_tokens(trace: Trace) -> float:
+    """Live tokens of an average request over its decode: its prompt plus half its output."""
+    return float((trace.prompt + trace.output / 2).mean())
+
+
 # ------------------------------------------------------------------------------ replay
 @dataclass
 class Replay:
@@ -319,6 +324,6 @@ def recommend(trace: Trace, block_size: int, pool_tokens: int, live_per_sequence
     if model_max_len:
         max_len = min(max_len, int(model_max_len))
     rejected = float((trace.total > max_len).mean())
-    per_seq = live_per_sequence or float((trace.prompt + trace.output / 2).mean())
+    per_seq = live_per_sequence or mean_live_tokens(trace)
     return {"max_model_len": int(max_len), "rejected_share": rejected,
             "max_num_seqs": max(1, int(pool_tokens // max(per_seq, 1.0))), "live_tokens_per_sequence": per_seq}

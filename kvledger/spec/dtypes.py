@@ -19,7 +19,9 @@ KV_CACHE_DTYPES: tuple[str, ...] = ("auto", *KV_CACHE_DTYPE_BYTES)
 KV_CACHE_DTYPE_BYTES["float64"] = 8
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 # 8-bit kinds store a scale beside the elements; see scale_bytes_per_token in kv_bytes.
-QUANTIZED_KV_DTYPES = frozenset({"fp8", "fp8_e4m3", "fp8_e5m2", "int8"})
+QUANTIZED_KV_DTYPES: tuple[str, ...] = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_QUALITY_DEFAULT_KINDS: tuple[str, ...] = ("int8", "fp8_e4m3", "fp8_e5m2")
+"""The 8-bit kinds ``kvledger kv-quality`` compares with the unquantized cache by default."""
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
@@ -33,7 +35,3 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
         raise KVLedgerError(f"unknown KV-cache dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
     return name
 
-
-def element_bytes(kv_cache_dtype: str, model_dtype: str = "bfloat16") -> int:
-    """``s`` in Eq 2.2: bytes per cached element."""
-    return KV_CACHE_DTYPE_BYTES[resolve_kv_cache_dtype(kv_cache_dtype, model_dtype)]

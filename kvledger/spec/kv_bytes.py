@@ -8,7 +8,9 @@ Extensions the chapter's formula needs on real models, each keeping the seven te
   per token per layer: the K/V factor is 1, ``H_kv`` is 1 and ``d_h`` is the latent width.
 * **Tensor parallelism**: a rank holds ``max(1, H_kv // TP)`` KV heads (heads replicate when
   TP > H_kv); an MLA latent is replicated on every rank. ``bytes_per_token`` and
-  ``total_bytes`` are per rank; ``*_all_ranks`` sum over ranks.
+  ``total_bytes`` are per rank; ``*_all_ranks`` sum over ranks. TP must divide the attention
+  heads, and the KV heads must split evenly (``H_kv % TP == 0``) or replicate evenly
+  (``TP % H_kv == 0``), as vLLM requires.
 * **8-bit caches** store a scale beside the elements: ``scale_bytes_per_token`` is kept apart
   so that ``bytes_per_token`` stays Eq 2.2 exactly.
 """
@@ -113,8 +115,9 @@ def kv_bytes(
     dtype = resolve_kv_cache_dtype(kv_cache_dtype, spec.torch_dtype)
     s = KV_CACHE_DTYPE_BYTES[dtype]
     tp = tensor_parallel_size
+    _check_tensor_parallel(spec, tp)
     if spec.is_mla:
-        factor, heads, width = 1, 1, spec.kv_lora_rank + (spec.qk_rope_head_dim or 0)  # replicated per rank
+        factor, heads, width = 1, 1, spec.kv_lora_rank + spec.qk_rope_head_dim  # replicated per rank
     else:
         factor, heads, width = 2, max(1, spec.num_kv_heads // tp), spec.head_dim
     per_layer_token = factor * heads * width * s
@@ -147,6 +150,26 @@ def kv_bytes(
         scale_bytes_fixed=fixed,
         total_scale_bytes=total_scales,
     )
+
+
+def _splits(spec: ModelSpec, tp: int) -> bool:
+    """Whether ``tp`` ranks can split the model's heads (vLLM's rule; MLA: attention heads only)."""
+    if spec.num_attention_heads % tp:
+        return False
+    return spec.is_mla or spec.num_kv_heads % tp == 0 or tp % spec.num_kv_heads == 0
+
+
+def _check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
+    """A KVLedgerError naming the sizes that work when ``tp`` ranks cannot split the heads."""
+    if _splits(spec, tp):
+        return
+    heads, rule = f"{spec.num_attention_heads} attention heads", "the attention heads must divide evenly"
+    if not spec.is_mla:
+        heads += f" and {spec.num_kv_heads} KV heads"
+        rule += ", the KV heads divide or replicate evenly"
+    valid = ", ".join(str(n) for n in range(1, spec.num_attention_heads + 1) if _splits(spec, n))
+    raise KVLedgerError(f"tensor-parallel size {tp} cannot split the {heads} of {spec.name} ({rule}); "
+                        f"sizes that do: {valid}")
 
 
 def _scale_bytes_per_token(dtype: str, kv_factor: int, kv_heads: int, num_layers: int) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,10 @@ class ModelSpec:
     weights_bytes_published: int | None = None
     """``metadata.total_size`` of ``model.safetensors.index.json`` when shipped, in bytes."""
     quant_method: str | None = None
+    config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    """The parsed ``config.json`` as given (see ``with_config``)."""
     raw_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    """The language model's own keys (``text_config`` for a multimodal file), family defaults applied."""
     notes: tuple[str, ...] = ()
     source: str = ""
 
@@ -122,9 +126,10 @@ class ModelSpec:
         source: str = "",
         weights_bytes_published: int | None = None,
     ) -> "ModelSpec":
-        """Build a spec from a parsed ``config.json``; raises ConfigError naming any missing key."""
+        """Build a spec from a parsed ``config.json``; raises ConfigError naming any missing or bad key."""
+        where = source or name
         if not isinstance(config, dict):
-            raise ConfigError(f"{source or name}: config.json must hold a JSON object, got {type(config).__name__}")
+            raise ConfigError(f"{where}: config.json must hold a JSON object, got {type(config).__name__}")
         outer = config
         text = config.get("text_config")
         cfg = dict(text) if isinstance(text, dict) else dict(config)
@@ -143,38 +148,35 @@ class ModelSpec:
         def need(key: str, *alts: str) -> int:
             for k in (key, *alts):
                 if cfg.get(k) is not None:
-                    return _positive_int(cfg[k], k, source or name)
+                    return _positive_int(cfg[k], k, where)
             raise ConfigError(
-                f"{source or name}: config has no '{key}', which Eq 2.2 needs; is this a Hugging Face config.json of a decoder model?"
+                f"{where}: config has no '{key}', which Eq 2.2 needs; is this a Hugging Face config.json of a decoder model?"
             )
 
         num_layers = need("num_hidden_layers", "n_layer", "num_layers")
         num_heads = need("num_attention_heads", "n_head")
         hidden = need("hidden_size", "n_embd", "d_model")
-        num_kv = _positive_int(cfg["num_key_value_heads"], "num_key_value_heads", source or name) if cfg.get(
-            "num_key_value_heads") is not None else num_heads
+        num_kv = need("num_key_value_heads") if cfg.get("num_key_value_heads") is not None else num_heads
         if cfg.get("head_dim") is not None:
-            head_dim = _positive_int(cfg["head_dim"], "head_dim", source or name)
+            head_dim = need("head_dim")
         else:
             if hidden % num_heads:
-                raise ConfigError(f"{source or name}: hidden_size {hidden} is not divisible by num_attention_heads {num_heads}; give head_dim")
+                raise ConfigError(f"{where}: hidden_size {hidden} is not divisible by num_attention_heads {num_heads}; give head_dim")
             head_dim = hidden // num_heads
         if num_heads % num_kv:
-            raise ConfigError(f"{source or name}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv}")
+            raise ConfigError(f"{where}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv}")
 
-        layer_types, window = _layer_types(cfg, model_type, num_layers, notes)
-        kv_lora_rank = cfg.get("kv_lora_rank")
-        rope_dim = cfg.get("qk_rope_head_dim")
-        if kv_lora_rank is not None:
-            kv_lora_rank = _positive_int(kv_lora_rank, "kv_lora_rank", source or name)
-            rope_dim = _positive_int(rope_dim or 0, "qk_rope_head_dim", source or name) if rope_dim else 0
+        max_pos = _count(cfg, ("max_position_embeddings",), where) or None
+        layer_types, window = _layer_types(cfg, model_type, num_layers, max_pos, where, notes)
+        kv_lora_rank = rope_dim = None
+        if cfg.get("kv_lora_rank") is not None:
+            kv_lora_rank = need("kv_lora_rank")
+            rope_dim = _count(cfg, ("qk_rope_head_dim",), where)
             notes.append(f"MLA: one latent of kv_lora_rank + qk_rope_head_dim = {kv_lora_rank + rope_dim} elements per token per layer")
 
-        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
-        per_token = int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or cfg.get("num_experts_per_token") or 0)
         quant = cfg.get("quantization_config") or outer.get("quantization_config") or {}
-        torch_dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or outer.get("torch_dtype") or "bfloat16")
-        if not (cfg.get("torch_dtype") or cfg.get("dtype") or outer.get("torch_dtype")):
+        torch_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or outer.get("torch_dtype")
+        if not torch_dtype:
             notes.append("torch_dtype absent: bfloat16 assumed")
         return cls(
             name=name,
@@ -184,24 +186,49 @@ class ModelSpec:
             num_kv_heads=num_kv,
             head_dim=head_dim,
             hidden_size=hidden,
-            intermediate_size=int(cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * hidden),
-            vocab_size=int(cfg.get("vocab_size") or 0),
-            max_position_embeddings=cfg.get("max_position_embeddings"),
-            torch_dtype=torch_dtype,
+            intermediate_size=_count(cfg, ("intermediate_size", "n_inner"), where) or 4 * hidden,
+            vocab_size=_count(cfg, ("vocab_size",), where),
+            max_position_embeddings=max_pos,
+            torch_dtype=str(torch_dtype or "bfloat16"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             layer_types=layer_types,
             sliding_window=window,
             kv_lora_rank=kv_lora_rank,
-            qk_rope_head_dim=rope_dim if kv_lora_rank is not None else None,
-            num_experts=num_experts,
-            num_experts_per_token=per_token,
-            moe_intermediate_size=cfg.get("moe_intermediate_size"),
+            qk_rope_head_dim=rope_dim,
+            num_experts=_count(cfg, ("num_local_experts", "num_experts", "n_routed_experts"), where),
+            num_experts_per_token=_count(cfg, ("num_experts_per_tok", "experts_per_token", "num_experts_per_token"), where),
+            moe_intermediate_size=_count(cfg, ("moe_intermediate_size",), where) or None,
             weights_bytes_published=weights_bytes_published,
             quant_method=quant.get("quant_method") if isinstance(quant, dict) else None,
+            config=config,
             raw_config=cfg,
             notes=tuple(notes),
             source=source,
         )
+
+    @classmethod
+    def custom(cls, layers: int, kv_heads: int, head_dim: int, heads: int | None = None,
+               torch_dtype: str = "bfloat16", name: str = "custom") -> "ModelSpec":
+        """A bare decoder with Eq 2.2's geometry only: ``layers`` layers, ``heads`` query heads
+        (default ``kv_heads``) over ``kv_heads`` KV heads of ``head_dim`` elements, hidden size
+        ``heads x head_dim``. Checked as any config is."""
+        heads = heads or kv_heads
+        return cls.from_config_dict({
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "head_dim": head_dim, "hidden_size": heads * head_dim, "torch_dtype": torch_dtype,
+        }, name=name)
+
+    def with_config(self, **keys: Any) -> "ModelSpec":
+        """This model rebuilt from its config with ``keys`` (config.json names) set, in
+        ``text_config`` for a multimodal file, so that the family's rules (which layers slide,
+        defaults) and every check apply again. Raises ConfigError as parsing does. The published
+        checkpoint size no longer describes a changed geometry and is dropped."""
+        config = dict(self.config)
+        if isinstance(config.get("text_config"), dict):
+            config["text_config"] = {**config["text_config"], **keys}
+        else:
+            config.update(keys)
+        return ModelSpec.from_config_dict(config, name=self.name, source=self.source)
 
     @classmethod
     def from_path(cls, path: str | Path, name: str | None = None) -> "ModelSpec":
@@ -236,6 +263,15 @@ def _positive_int(value: Any, key: str, where: str) -> int:
     return number
 
 
+def _count(cfg: dict[str, Any], keys: tuple[str, ...], where: str) -> int:
+    """The first of ``keys`` set to a non-zero value, as a positive int (ConfigError naming the key
+    otherwise); 0 when none is set."""
+    for key in keys:
+        if cfg.get(key):
+            return _positive_int(cfg[key], key, where)
+    return 0
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
@@ -247,19 +283,22 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read {path}: {err.strerror}") from None
 
 
-def _layer_types(cfg: dict[str, Any], model_type: str, num_layers: int, notes: list[str]) -> tuple[tuple[str, ...], int | None]:
-    """Which layers slide, following the rule transformers uses for the family."""
-    window = cfg.get("sliding_window")
+def _layer_types(cfg: dict[str, Any], model_type: str, num_layers: int, max_pos: int | None, where: str,
+                 notes: list[str]) -> tuple[tuple[str, ...], int | None]:
+    """Which layers slide, following the rule transformers uses for the family, and the window."""
     explicit = cfg.get("layer_types")
+    if explicit is not None and not (isinstance(explicit, list) and all(isinstance(t, str) for t in explicit)):
+        raise ConfigError(f"{where}: 'layer_types' must be a list of names such as 'full_attention', "
+                          f"got {reprlib.repr(explicit)}")
     if explicit:
         if len(explicit) != num_layers:
-            raise ConfigError(f"layer_types has {len(explicit)} entries but num_hidden_layers is {num_layers}")
+            raise ConfigError(f"{where}: layer_types has {len(explicit)} entries but num_hidden_layers is {num_layers}")
         types = tuple(SLIDING if t == SLIDING else FULL for t in explicit)
-    elif window is None:
+    elif cfg.get("sliding_window") is None:
         types = (FULL,) * num_layers
     elif model_type in _QWEN_STYLE:
         if cfg.get("use_sliding_window"):
-            start = int(cfg.get("max_window_layers") or 0)
+            start = _count(cfg, ("max_window_layers",), where)
             types = tuple(SLIDING if i >= start else FULL for i in range(num_layers))
         else:
             types = (FULL,) * num_layers
@@ -267,7 +306,7 @@ def _layer_types(cfg: dict[str, Any], model_type: str, num_layers: int, notes: l
         types = tuple(SLIDING if (i + 1) % 2 else FULL for i in range(num_layers))
         notes.append("gemma2: layers alternate sliding/full (transformers' rule)")
     elif model_type.startswith("gemma3"):
-        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        pattern = _count(cfg, ("sliding_window_pattern",), where) or 6
         types = tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
         notes.append(f"gemma3: every {pattern}th layer is full attention, the rest slide (transformers' rule)")
     elif model_type in _ALL_LAYERS_SLIDING:
@@ -276,7 +315,7 @@ def _layer_types(cfg: dict[str, Any], model_type: str, num_layers: int, notes: l
         types = (FULL,) * num_layers
     if SLIDING not in types:
         return types, None
-    max_pos = cfg.get("max_position_embeddings")
-    if window is not None and max_pos is not None and int(window) >= int(max_pos):
+    window = _positive_int(cfg.get("sliding_window"), "sliding_window", where)
+    if max_pos is not None and window >= max_pos:
         notes.append(f"sliding_window {window} >= max_position_embeddings {max_pos}: no layer ever drops a token")
-    return types, int(window)
+    return types, window
