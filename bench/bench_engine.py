@@ -36,39 +36,10 @@ os.environ.setdefault("GOMP_SPINCOUNT", "30000")  # as the engine sets it; see k
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure2023_conv.csv"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ceilings import DEFAULT_TRACE, bandwidth, matmul_flops  # noqa: E402
+
 THREADS = 2
-
-
-# ---- ceilings ---------------------------------------------------------------------------------
-def matmul_flops(n: int = 2048, repeat: int = 8) -> float:
-    """Best float32 matmul rate (FLOP/s) of an n x n x n product."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
-
-
-def bandwidth(nbytes: int = 1 << 30, repeat: int = 6) -> tuple[float, float]:
-    """Best read bandwidth (a sum over ``nbytes``) and copy bandwidth (read + write bytes), bytes/s."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    read, copy = float("inf"), float("inf")
-    src.sum()
-    dst.copy_(src)
-    for _ in range(repeat):
-        start = time.perf_counter()
-        src.sum()
-        read = min(read, time.perf_counter() - start)
-        start = time.perf_counter()
-        dst.copy_(src)
-        copy = min(copy, time.perf_counter() - start)
-    return nbytes / read, 2 * nbytes / copy
 
 
 # ---- workload ---------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import THREADS, bandwidth, matmul_flops  # noqa: E402
+from bench_engine import THREADS  # noqa: E402
+from ceilings import bandwidth, matmul_flops  # noqa: E402
 
 import torch  # noqa: E402
 

@@ -24,10 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TRACES = ROOT.parent / "shared" / "data" / "traces"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ceilings import TRACES, bandwidth, matmul_flops  # noqa: E402
 PLAN = ["plan", "llama-3.1-8b", "--gpu", "a100-80gb"]
 
 
@@ -40,23 +38,6 @@ def wall(cmd: list[str], repeat: int) -> float:
         subprocess.run(cmd, check=True, capture_output=True)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def ceilings() -> tuple[float, float]:
-    """(float32 matmul FLOP/s, copy bandwidth in bytes/s) of this machine, best of 3."""
-    a = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
-    best = min(_timed(lambda: a @ a) for _ in range(3))
-    flops = 2 * 1024**3 / best
-    src = np.ones(64 * 2**20 // 8)
-    dst = np.empty_like(src)
-    copy = min(_timed(lambda: np.copyto(dst, src)) for _ in range(3))
-    return flops, 2 * src.nbytes / copy  # read + write
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def make_trace(traces: Path, out: Path, rows: int = 20_000) -> Path:
@@ -79,13 +60,13 @@ def make_trace(traces: Path, out: Path, rows: int = 20_000) -> Path:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--traces", type=Path, default=DEFAULT_TRACES, help="folder of the shared traces")
+    parser.add_argument("--traces", type=Path, default=TRACES, help="folder of the shared traces")
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args()
     py = sys.executable
     cli = [py, "-m", "kvledger.cli.main"]
 
-    flops, copy_bw = ceilings()
+    flops, (_, copy_bw) = matmul_flops(), bandwidth()
     print(f"machine: float32 matmul {flops / 1e9:.1f} GFLOP/s, copy bandwidth {copy_bw / 1e9:.1f} GB/s")
 
     peer = wall([py, "-c", "import tabulate"], args.repeat)

@@ -29,27 +29,10 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure2023_conv.csv"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ceilings import DEFAULT_TRACE, bandwidth, matmul_flops  # noqa: E402
+
 BIN = Path(sys.executable).parent
-
-
-def ceilings() -> tuple[float, float]:
-    """(float32 matmul FLOP/s, copy bandwidth in bytes/s) of this machine, best of 3 (torch, as the engines)."""
-    import torch
-
-    a = torch.randn(1024, 1024)
-    best = min(_timed(lambda: a @ a) for _ in range(5))
-    src = torch.ones(64 * 2**20 // 4)
-    dst = torch.empty_like(src)
-    copy = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
-    return 2 * 1024**3 / best, 2 * src.numel() * 4 / copy
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def free_port() -> int:
@@ -105,7 +88,7 @@ def main() -> int:
     args = p.parse_args()
 
     model_dir = str(converted_dir(resolve_model(None)))  # the HF-format copy kvledger makes of the GGUF
-    flops, bw = ceilings()
+    flops, (_, bw) = matmul_flops(), bandwidth()
 
     def config() -> BenchConfig:
         return BenchConfig(base_url="", trace=args.trace, num_prompts=args.num_prompts,

@@ -127,3 +127,29 @@ def ledger_history(server) -> list[dict]:
         return list(server.aengine.history)
 
     return server.run(copy())
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """``/metrics`` text as {sample name: value} for kvledger's own samples (histogram buckets and
+    per-reason request counts left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name.startswith("kvledger:") and not s.labels.get("le") and "finished_reason" not in s.labels}
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's metrics now, as :func:`parse_metrics` gives them."""
+    import httpx
+
+    return parse_metrics(httpx.get(url + "/metrics").text)
+
+
+def aborted_total(url: str) -> float:
+    """Requests the server has counted as aborted (``request_success_total{finished_reason="abort"}``)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics").text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "kvledger:request_success_total" and s.labels.get("finished_reason") == "abort")

@@ -86,7 +86,6 @@ def test_poisson_arrivals_are_seeded_with_the_requested_rate():
     assert t1 == arrival_times(2000, 4.0, seed=7) and t1 != arrival_times(2000, 4.0, seed=8)
     assert t1[-1] == pytest.approx(2000 / 4.0)  # vLLM rescales to n / rate
     gaps = np.diff([0.0] + t1)
-    assert gaps.mean() == pytest.approx(0.25, rel=1e-6)
     assert gaps.std() / gaps.mean() == pytest.approx(1.0, abs=0.08)  # exponential: cv = 1
     bursty = np.diff([0.0] + arrival_times(2000, 4.0, seed=7, burstiness=0.25))
     assert bursty.std() / bursty.mean() == pytest.approx(2.0, abs=0.25)  # gamma(k): cv = 1/sqrt(k)

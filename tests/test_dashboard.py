@@ -83,7 +83,7 @@ def test_dashboard_charts_allocated_blocks_and_used_tokens_while_requests_run(ru
     allocated, used = float(data["max-allocated"]), float(data["max-used-blocks"])
     assert allocated > 0 and used > 0
     assert float(data["max-gap-blocks"]) > 0, data  # allocated blocks and used tokens differ
-    assert int(data["max-running"]) >= 1
+    assert int(data["max-running"]) >= 5  # the fixture's five streams ran together
     assert int(data["num-blocks"]) == server.aengine.snapshot()["num_blocks"]
 
     SCREENSHOT.parent.mkdir(exist_ok=True)

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server_harness import (
     CHATS, MODEL, PROMPTS, check_integrity, greedy_chat_reference, greedy_reference, greedy_references,
-    openai_client, shared_server, start_together, wait_idle,
+    aborted_total, openai_client, parse_metrics, scrape, shared_server, start_together, wait_idle,
 )
 
 MAX_TOKENS = 24
@@ -66,7 +66,9 @@ def test_completion_stream_equals_nonstream_equals_offline(client, prompt):
     assert streamed == expected
     assert reason == full.choices[0].finish_reason
     assert n_streamed == full.usage.completion_tokens
-    assert full.usage.prompt_tokens > 0
+    from tests.server_harness import reference_llm
+
+    assert full.usage.prompt_tokens == len(reference_llm().get_tokenizer().encode(prompt))
 
 
 def test_token_id_prompt_equals_text_prompt(server, client):
@@ -76,9 +78,15 @@ def test_token_id_prompt_equals_text_prompt(server, client):
     ids = reference_llm().get_tokenizer().encode(PROMPTS[1])
     expected = reference_llm().generate([ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
                                         use_tqdm=False)[0].outputs[0].text
+    wait_idle(server)
+    before = scrape(server.url)
     out = client.completions.create(model=MODEL, prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
     assert out.choices[0].text == expected == greedy_reference(PROMPTS[1], MAX_TOKENS)
     assert out.usage.prompt_tokens == len(ids)
+    after = scrape(server.url)  # the token counters grew by exactly this request's tokens
+    assert after["kvledger:prompt_tokens_total"] - before["kvledger:prompt_tokens_total"] == len(ids)
+    assert (after["kvledger:generation_tokens_total"] - before["kvledger:generation_tokens_total"]
+            == out.usage.completion_tokens)
 
 
 @pytest.mark.parametrize("messages", CHATS)
@@ -123,12 +131,6 @@ def test_stop_string_ends_request_and_frees_blocks(server, client):
     check_integrity(server)
 
 
-def _scrape(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics").text
-    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-            if s.name.startswith("kvledger:") and not s.labels.get("le") and "finished_reason" not in s.labels}
-
-
 def _expected_from_ledger(ledger: dict) -> dict[str, float]:
     return {
         "kvledger:kv_blocks_allocated": ledger["blocks_allocated"],
@@ -154,7 +156,7 @@ def test_metrics_equal_engine_ledger_during_a_run_and_when_idle(server):
     """Scrape /metrics while no step can run (the loop's lock held) and compare with engine.ledger()."""
     client = openai_client(server)
     prompts = [LONG_PREFIX + "Its oldest building is", LONG_PREFIX + "Today it is known for", PROMPTS[3]]
-    before = _scrape(server.url)
+    before = scrape(server.url)
 
     def stream(p):
         for _ in client.completions.create(model=MODEL, prompt=p, max_tokens=64, temperature=0, stream=True,
@@ -172,8 +174,7 @@ def test_metrics_equal_engine_ledger_during_a_run_and_when_idle(server):
         return ledger, text
 
     ledger, text = server.run(consistent_view())
-    scraped = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name.startswith("kvledger:") and not s.labels.get("le") and "finished_reason" not in s.labels}
+    scraped = parse_metrics(text)
     assert ledger["blocks_allocated"] > 0 and ledger["num_running"] == len(prompts)
     assert ledger["tokens_used"] != ledger["blocks_allocated"] * ledger["block_size"]  # waste exists
     for name, value in _expected_from_ledger(ledger).items():
@@ -184,7 +185,7 @@ def test_metrics_equal_engine_ledger_during_a_run_and_when_idle(server):
     client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=2, temperature=0)
 
     idle = wait_idle(server)
-    scraped = _scrape(server.url)
+    scraped = scrape(server.url)
     for name, value in _expected_from_ledger(idle).items():
         assert scraped[name] == pytest.approx(value), name
     assert idle["blocks_allocated"] == 0 and idle["blocks_cached_free"] > 0
@@ -210,23 +211,19 @@ def test_metrics_need_no_api_key_and_name_vllm_metrics(server):
         assert name in names, name
 
 
-def _aborted(url: str) -> float:
-    text = httpx.get(url + "/metrics").text
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == "kvledger:request_success_total" and s.labels.get("finished_reason") == "abort")
-
-
 def test_nonstreaming_client_disconnect_aborts(server):
     """A client that gives up on a non-streamed request: the request leaves the engine."""
     wait_idle(server)
-    before = _aborted(server.url)
+    before = aborted_total(server.url)
+    generated_before = scrape(server.url)["kvledger:generation_tokens_total"]
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", timeout=1.5,
                    json={"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 400, "temperature": 0,
                          "ignore_eos": True})
     ledger = wait_idle(server, timeout=30)  # 400 tokens would take far longer: it was aborted
     assert ledger["blocks_allocated"] == 0
-    assert _aborted(server.url) - before == 1
+    assert aborted_total(server.url) - before == 1
+    assert scrape(server.url)["kvledger:generation_tokens_total"] > generated_before  # its tokens still count
     check_integrity(server)
 
 
@@ -271,7 +268,7 @@ def test_cli_serve_prints_url_and_checks_api_key(tmp_path):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    assert proc.returncode is not None
+            proc.wait()
 
 
 def test_async_clients_share_steps(server):

@@ -11,26 +11,18 @@ import asyncio
 import random
 import time
 
-import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server_harness import (
-    MODEL, PROMPTS, async_openai_client, check_integrity, greedy_references, ledger_history, shared_server,
-    wait_idle,
+    MODEL, PROMPTS, aborted_total, async_openai_client, check_integrity, greedy_references, ledger_history,
+    shared_server, wait_idle,
 )
 
 N_CLIENTS = 100
 N_DISCONNECT = 20
 MAX_TOKENS = 8  # clients that stay
 LONG_TOKENS = 64  # clients that hang up ask for more than they will read
-
-
-def _aborted_total(url: str) -> float:
-    text = httpx.get(url + "/metrics").text
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == "kvledger:request_success_total" and s.labels.get("finished_reason") == "abort")
 
 
 @pytest.mark.slow
@@ -42,7 +34,7 @@ def test_100_streaming_clients_with_disconnects_leak_nothing():
     for i in leavers:
         leavers[i] = rng.randint(1, 5)  # hang up after this many chunks
     wait_idle(server)
-    aborted_before = _aborted_total(server.url)
+    aborted_before = aborted_total(server.url)
     t_start = time.time()
     client = async_openai_client(server)
 
@@ -71,8 +63,7 @@ def test_100_streaming_clients_with_disconnects_leak_nothing():
     async def everyone():
         return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(N_CLIENTS))), timeout=240)
 
-    results = asyncio.run(everyone())
-    elapsed = time.time() - t_start
+    results = asyncio.run(everyone())  # wait_for fails the test past 240 s
 
     outcomes = [r[0] for r in results]
     assert outcomes.count("left") == N_DISCONNECT, outcomes
@@ -86,8 +77,7 @@ def test_100_streaming_clients_with_disconnects_leak_nothing():
     assert ledger["tokens_used"] == 0 and ledger["num_running"] == 0 and ledger["num_waiting"] == 0
     check_integrity(server)
     # each hang-up reached the engine as an abort (none of them could finish its 64 tokens first)
-    assert _aborted_total(server.url) - aborted_before == N_DISCONNECT
+    assert aborted_total(server.url) - aborted_before == N_DISCONNECT
     # and they really were served together: the ledger saw most of them running at once
     peak = max((s["num_running"] for s in ledger_history(server) if s["t"] >= t_start), default=0)
     assert peak >= N_CLIENTS // 2, f"peak running {peak}"
-    assert elapsed < 240

@@ -12,6 +12,7 @@ against ``max_model_len`` (400, with the numbers) -> the engine's own admission 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -23,6 +24,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvledger.errors import KVLedgerError
@@ -31,8 +33,8 @@ from kvledger.server.errors import APIError, error_body, error_response
 from kvledger.server.metrics import ServerMetrics
 from kvledger.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage, ModelCard,
-    ModelList, UsageInfo, new_id, now, parse_request,
+    DEFAULT_COMPLETION_MAX_TOKENS, ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse,
+    DeltaMessage, ModelCard, ModelList, UsageInfo, new_id, now, parse_request,
 )
 
 log = logging.getLogger("kvledger.server")
@@ -54,6 +56,10 @@ class ServerConfig:
     created: int = field(default_factory=now)
 
 
+class ClientGone(Exception):
+    """The client closed the connection before a non-streamed answer was ready."""
+
+
 class EngineStreamingResponse(StreamingResponse):
     """A streaming response that runs ``on_close`` however the stream ends (finished, client gone)."""
 
@@ -69,9 +75,9 @@ class EngineStreamingResponse(StreamingResponse):
             self._on_close()
 
 
-def sse(obj: Any) -> str:
-    data = obj.model_dump_json(exclude_none=False) if hasattr(obj, "model_dump_json") else json.dumps(obj)
-    return f"data: {data}\n\n"
+def sse(obj: BaseModel) -> str:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return f"data: {obj.model_dump_json()}\n\n"
 
 
 class Serving:
@@ -116,24 +122,13 @@ class Serving:
         return name
 
     def check_length(self, num_prompt: int, max_tokens: int, what: str = "prompt") -> None:
+        """Prompt plus completion within ``max_model_len``. The engine starts only with a pool of at
+        least ``max_model_len`` tokens, so a request that passes also fits in the pool."""
         limit = self.config.max_model_len
         if num_prompt + max_tokens > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; you requested "
                                 f"{num_prompt + max_tokens} tokens ({num_prompt} in the {what}, {max_tokens} for the "
                                 "completion); shorten the prompt or lower max_tokens", param="max_tokens")
-
-    def check_pool(self, num_prompt: int, max_tokens: int) -> None:
-        """A request that needs more blocks than the whole pool can never run: 400 now, not a hang."""
-        bs, total = self.engine.block_size, num_prompt + max_tokens
-        blocks = -(-total // bs)
-        if blocks > self.engine.num_blocks:
-            raise APIError(400, f"the request needs {blocks} KV blocks ({num_prompt} prompt + {max_tokens} completion "
-                                f"tokens, {bs} tokens per block) but the whole KV pool has {self.engine.num_blocks} "
-                                "blocks; lower max_tokens or shorten the prompt", param="max_tokens")
-
-    def check_fits(self, num_prompt: int, max_tokens: int, what: str = "prompt") -> None:
-        self.check_pool(num_prompt, max_tokens)
-        self.check_length(num_prompt, max_tokens, what)
 
     def sampling_params(self, req: Any, max_tokens: int) -> Any:
         from kvledger.engine.sampling_params import SamplingParams
@@ -178,8 +173,9 @@ class Serving:
 
         return EngineStreamingResponse(events(), lambda: self.aengine.abort(stream.request_id))
 
-    async def collect(self, stream: RequestStream, request: Request) -> tuple[str, int, str] | None:
-        """All the text of a request; None (and the request aborted) if the client disconnects first."""
+    async def collect(self, stream: RequestStream, request: Request) -> tuple[str, int, str]:
+        """All the text of a request, its completion tokens and finish reason. If the client
+        disconnects first, the request is aborted and :class:`ClientGone` raised."""
         parts: list[str] = []
         result: dict[str, Any] = {"n": 0, "reason": "stop"}
 
@@ -200,7 +196,7 @@ class Serving:
                 consumer.cancel()
                 self.aengine.abort(stream.request_id)
         if consumer.cancelled():
-            return None  # the client is gone; nobody reads the answer
+            raise ClientGone()
         try:
             consumer.result()
         except EngineDeadError as err:
@@ -237,12 +233,15 @@ def create_app(aengine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="kvledger", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.aengine = aengine
-    app.state.metrics = metrics
     app.state.config = config
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError) -> JSONResponse:
         return error_response(err)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, err: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(RequestValidationError)
     async def _query_error(request: Request, err: RequestValidationError) -> JSONResponse:
@@ -254,7 +253,7 @@ def create_app(aengine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {err.detail}"
-        return JSONResponse(error_body(err.status_code, message), status_code=err.status_code)
+        return JSONResponse(error_body(err.status_code, message), status_code=err.status_code, headers=err.headers)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, err: Exception) -> JSONResponse:
@@ -309,8 +308,8 @@ def create_app(aengine: AsyncEngine, config: ServerConfig) -> FastAPI:
         ids = serving.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise APIError(400, "the prompt is empty after tokenization", param="prompt")
-        max_tokens = req.max_tokens if req.max_tokens is not None else 16
-        serving.check_fits(len(ids), max_tokens)
+        max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        serving.check_length(len(ids), max_tokens)
         params = serving.sampling_params(req, max_tokens)
         rid = new_id("cmpl")
         stream = await serving.submit(rid, ids, params)
@@ -328,10 +327,7 @@ def create_app(aengine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
             return serving.stream_response(stream, chunks, usage if req.include_usage else None)
 
-        collected = await serving.collect(stream, request)
-        if collected is None:
-            return Response(status_code=499)  # client closed the connection; nothing is sent
-        text, n_out, reason = collected
+        text, n_out, reason = await serving.collect(stream, request)
         return JSONResponse(CompletionResponse(
             id=rid, created=created, model=model, choices=[CompletionChoice(text=text, finish_reason=reason)],
             usage=_usage(len(ids), n_out)).model_dump())
@@ -349,7 +345,7 @@ def create_app(aengine: AsyncEngine, config: ServerConfig) -> FastAPI:
         ids = serving.tokenizer.encode(text, add_special_tokens=False)
         # OpenAI's default: as many tokens as the context has room for (at least one)
         max_tokens = req.max_tokens if req.max_tokens is not None else max(1, config.max_model_len - len(ids))
-        serving.check_fits(len(ids), max_tokens, what="messages")
+        serving.check_length(len(ids), max_tokens, what="messages")
         params = serving.sampling_params(req, max_tokens)
         rid = new_id("chatcmpl")
         stream = await serving.submit(rid, ids, params)
@@ -373,10 +369,7 @@ def create_app(aengine: AsyncEngine, config: ServerConfig) -> FastAPI:
             return serving.stream_response(stream, chunks, usage if req.include_usage else None,
                                            first=chunk(DeltaMessage(role="assistant", content="")))
 
-        collected = await serving.collect(stream, request)
-        if collected is None:
-            return Response(status_code=499)  # client closed the connection; nothing is sent
-        text, n_out, reason = collected
+        text, n_out, reason = await serving.collect(stream, request)
         return JSONResponse(ChatCompletionResponse(
             id=rid, created=created, model=model,
             choices=[ChatChoice(message=ChatResponseMessage(content=text), finish_reason=reason)],
@@ -385,5 +378,6 @@ def create_app(aengine: AsyncEngine, config: ServerConfig) -> FastAPI:
     return app
 
 
+@functools.cache
 def _static(name: str) -> bytes:
     return resources.files("kvledger.server").joinpath("static", name).read_bytes()

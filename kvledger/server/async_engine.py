@@ -39,10 +39,9 @@ class EngineDeadError(Exception):
 
 @dataclass
 class Delta:
-    """What one engine step added to a request: text, token ids, and whether it ended."""
+    """What one engine step added to a request: its text, and whether it ended."""
 
     text: str
-    token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
     num_output_tokens: int = 0  # total generated so far
@@ -59,7 +58,6 @@ class RequestStream:
     first_token: float | None = None
     last_token: float | None = None
     num_output_tokens: int = 0
-    finished: bool = False
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self._iter()
@@ -124,14 +122,13 @@ class AsyncEngine:
                 except (asyncio.CancelledError, Exception):
                     pass
         self._task = self._ticker = None
-        for stream in list(self._streams.values()):
-            stream.queue.put_nowait(EngineDeadError("the server is shutting down"))
+        self._fail_all("the server is shutting down")
 
     # --- what handlers call --------------------------------------------------------------
 
     def num_waiting(self) -> int:
         """Requests waiting for a place in the running batch, plus those not yet handed over."""
-        return int(self._snapshot.get("engine_num_waiting", 0)) + self._added_since_snapshot + len(self._pending_adds)
+        return int(self._snapshot.get("num_waiting", 0)) + self._added_since_snapshot + len(self._pending_adds)
 
     async def add(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any) -> RequestStream:
         """Queue a request for the next step; returns its stream once the engine accepted it.
@@ -186,7 +183,7 @@ class AsyncEngine:
                     await self._iteration()
             except Exception as err:  # a bug: fail the requests in flight, keep serving the next ones
                 log.exception("engine step failed")
-                self._fail_all(err)
+                self._fail_all(f"the engine failed: {type(err).__name__}: {err}")
                 await asyncio.sleep(0.1)
             await asyncio.sleep(0)  # let handlers run between steps
 
@@ -205,36 +202,40 @@ class AsyncEngine:
         """Keep the dashboard's history moving while the engine is idle."""
         while True:
             await asyncio.sleep(HISTORY_INTERVAL_S)
-            if time.time() - self._last_sample >= HISTORY_INTERVAL_S:
-                self._sample(time.time())
+            self._sample_if_due()
 
     def _apply_pending(self) -> None:
+        """Aborts first, then adds. An add stays in ``_pending_adds`` until it is answered, so if
+        anything here raises, :meth:`_fail_all` still answers every add not yet handled."""
         aborts, self._pending_aborts = self._pending_aborts, set()
-        adds, self._pending_adds = self._pending_adds, []
         for rid in aborts:
             if rid in self._streams:
                 self.engine.abort_request(rid)
                 del self._streams[rid]
                 if self.metrics is not None:
                     self.metrics.request_finished("abort")
-        for p in adds:
-            rid = p.stream.request_id
-            if rid in aborts or p.done.cancelled():
-                if not p.done.done():
-                    p.done.cancel()
-                continue
-            try:
-                self.engine.add_request(rid, p.prompt_token_ids, p.sampling_params)
-            except KVLedgerError as err:
-                p.done.set_exception(err)
-                continue
-            except Exception as err:  # a bug: report it to this request only
-                log.exception("add_request failed")
-                p.done.set_exception(EngineDeadError(f"the engine could not take the request: {err}"))
-                continue
-            self._streams[rid] = p.stream
-            self._added_since_snapshot += 1
-            p.done.set_result(None)
+        while self._pending_adds:
+            self._add(self._pending_adds[0], aborts)
+            self._pending_adds.pop(0)
+
+    def _add(self, p: _PendingAdd, aborts: set[str]) -> None:
+        rid = p.stream.request_id
+        if rid in aborts or p.done.cancelled():
+            if not p.done.done():
+                p.done.cancel()
+            return
+        try:
+            self.engine.add_request(rid, p.prompt_token_ids, p.sampling_params)
+        except KVLedgerError as err:
+            p.done.set_exception(err)
+            return
+        except Exception as err:  # a bug: report it to this request only
+            log.exception("add_request failed")
+            p.done.set_exception(EngineDeadError(f"the engine could not take the request: {err}"))
+            return
+        self._streams[rid] = p.stream
+        self._added_since_snapshot += 1
+        p.done.set_result(None)
 
     def _dispatch(self, outputs: list[Any]) -> None:
         now = time.perf_counter()
@@ -251,46 +252,47 @@ class AsyncEngine:
                     stream.first_token = now
                     if m is not None:
                         m.ttft.observe(now - stream.arrival)
+                        m.prompt_tokens.inc(stream.num_prompt_tokens)
                 elif m is not None:
                     m.itl.observe(now - stream.last_token)
                 stream.last_token = now
                 stream.num_output_tokens += len(new_ids)
-            delta = Delta(out.text_delta, new_ids, out.finished, out.finish_reason if out.finished else None,
+                if m is not None:
+                    m.generation_tokens.inc(len(new_ids))
+            delta = Delta(out.text_delta, out.finished, out.finish_reason if out.finished else None,
                           stream.num_output_tokens)
             if out.finished:
-                stream.finished = True
                 del self._streams[out.request_id]
                 if m is not None:
                     m.e2e.observe(now - stream.arrival)
-                    m.prompt_tokens.inc(stream.num_prompt_tokens)
-                    m.generation_tokens.inc(stream.num_output_tokens)
                     m.request_finished(out.finish_reason or "stop")
             stream.queue.put_nowait(delta)
 
-    def _fail_all(self, err: Exception) -> None:
+    def _fail_all(self, reason: str) -> None:
+        """End every request in flight and every add not yet answered with ``reason``."""
         for rid, stream in list(self._streams.items()):
             try:
                 self.engine.abort_request(rid)
             except Exception:
                 log.exception("abort after a failed step")
-            stream.queue.put_nowait(EngineDeadError(f"the engine failed: {type(err).__name__}: {err}"))
+            stream.queue.put_nowait(EngineDeadError(reason))
         self._streams.clear()
         for p in self._pending_adds:
             if not p.done.done():
-                p.done.set_exception(EngineDeadError(f"the engine failed: {type(err).__name__}: {err}"))
+                p.done.set_exception(EngineDeadError(reason))
         self._pending_adds.clear()
         self._pending_aborts.clear()
 
     def _take_snapshot(self, force_sample: bool = False) -> None:
-        snap = asdict(self.engine.ledger())
-        snap["engine_num_waiting"] = snap["num_waiting"]
-        self._snapshot = snap
-        self._added_since_snapshot = 0
-        now = time.time()
-        if force_sample or now - self._last_sample >= HISTORY_INTERVAL_S:
-            self._sample(now)
+        self._snapshot = asdict(self.engine.ledger())  # num_waiting: the engine's; snapshot() adds the handlers'
 
-    def _sample(self, now: float) -> None:
+        self._added_since_snapshot = 0
+        self._sample_if_due(force_sample)
+
+    def _sample_if_due(self, force: bool = False) -> None:
+        now = time.time()
+        if not force and now - self._last_sample < HISTORY_INTERVAL_S:
+            return
         s = self.snapshot()
         self.history.append({
             "t": round(now, 3),

@@ -12,7 +12,8 @@ when ``/metrics`` is scraped, so gauges and counters are exactly the engine's ow
 - ``kvledger:prefix_cache_queries_total`` / ``..._hits_total``: in tokens, as vLLM counts.
 
 Latency histograms (seconds) are observed by the server per request: time to first token,
-inter-token latency (per engine step that produced tokens) and end-to-end latency.
+inter-token latency (per engine step that produced tokens) and end-to-end latency. Token
+counters grow as tokens are produced, so a request that is aborted still counts what it used.
 """
 
 from __future__ import annotations
@@ -63,8 +64,6 @@ class LedgerCollector(Collector):
 
     def collect(self) -> Iterator:
         snap = self._snapshot()
-        if not snap:
-            return
         for name, (key, doc) in _GAUGES.items():
             g = GaugeMetricFamily(PREFIX + name, doc, labels=list(self._labels))
             g.add_metric(list(self._labels.values()), key(snap) if callable(key) else snap[key])
@@ -89,9 +88,9 @@ class ServerMetrics:
                              labels, buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to finish of a request (s).", labels,
                              buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", labels,
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of requests whose prefill completed (aborted ones included).", labels,
                                      registry=self.registry).labels(model_name)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", labels,
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated (aborted requests included).", labels,
                                          registry=self.registry).labels(model_name)
         self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=self.registry)

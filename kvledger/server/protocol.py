@@ -19,6 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kvledger.server.errors import APIError
 
 
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""OpenAI's default ``max_tokens`` for ``/v1/completions`` (chat defaults to the context's room)."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -26,6 +30,13 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _final_usage_only(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("'continuous_usage_stats'=True is not supported (usage comes once, at the end)")
+        return v
 
 
 
@@ -108,7 +119,7 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt`` is text or token ids; one prompt per request."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None

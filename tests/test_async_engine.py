@@ -1,0 +1,49 @@
+"""The server's engine loop when something inside it fails: every waiting handler gets an answer."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvledger.engine.config import EngineConfig
+from kvledger.engine.llm_engine import LLMEngine
+from kvledger.engine.sampling_params import SamplingParams
+from kvledger.server.async_engine import AsyncEngine, EngineDeadError
+
+
+def test_a_failure_while_applying_aborts_still_answers_the_adds_behind_it():
+    """An abort that raises inside the loop (fault injected into this one engine instance) must
+    not strand a request added in the same round: its handler gets EngineDeadError, not a hang."""
+    engine = LLMEngine(EngineConfig(model="smollm2-135m", dtype="float32", kv_cache_memory="32MiB",
+                                    max_model_len=256))
+    real_abort = engine.abort_request
+
+    def abort_that_fails_once(request_id: str) -> None:
+        engine.abort_request = real_abort
+        raise RuntimeError("injected failure")
+
+    async def scenario() -> None:
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        try:
+            params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+            first = await aengine.add("first", list(range(100, 120)), params)
+            await first.queue.get()  # the request is running
+            async with aengine.hold():  # no round runs until both the abort and the add are pending
+                engine.abort_request = abort_that_fails_once
+                aengine.abort("first")
+                second = asyncio.create_task(aengine.add("second", list(range(200, 220)), params))
+                while aengine.num_waiting() == 0:
+                    await asyncio.sleep(0.01)
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(second, timeout=30)
+            # and the loop keeps serving the next request
+            third = await aengine.add("third", list(range(300, 310)), SamplingParams(max_tokens=3, temperature=0))
+            deltas = [d async for d in third]
+            assert deltas[-1].finished and deltas[-1].num_output_tokens == 3
+        finally:
+            await aengine.stop()
+
+    asyncio.run(scenario())
+    assert engine.pool.num_free_blocks == engine.num_blocks
