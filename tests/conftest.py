@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # for every test: nothing may download from a model hub
 # short OpenMP spin-waits: the suite shares its cores (see kvledger/engine/__init__.py)
 os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 

@@ -7,10 +7,7 @@ keeping its token ids and, for a few prompts, every step's logits.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 NEW_TOKENS = 36
 #: prompts whose per-step logits are kept (indices into the prompt list)

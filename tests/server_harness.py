@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import atexit
 import functools
-import os
 import time
 from dataclasses import asdict
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # A pool of 192 MiB (~270 blocks of 16 tokens for SmolLM2-135M in fp32) holds 100+ short requests at once.
 ENGINE_ARGS = dict(model="smollm2-135m", dtype="float32", kv_cache_memory="192MiB", max_model_len=1024)
