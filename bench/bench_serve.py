@@ -58,7 +58,7 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 300) -> None:
 
 
 def run_against(cmd: list[str], url: str, cfg) -> tuple:
-    from kvledger.server.bench_serve import run_benchmark
+    from kvledger.bench.serve import run_benchmark
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
@@ -76,7 +76,7 @@ def run_against(cmd: list[str], url: str, cfg) -> tuple:
 
 def main() -> int:
     from kvledger.loader.resolve import converted_dir, resolve_model
-    from kvledger.server.bench_serve import BenchConfig, format_report
+    from kvledger.bench.serve import BenchConfig, format_report
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", default=str(DEFAULT_TRACE))

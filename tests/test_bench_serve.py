@@ -1,4 +1,5 @@
-"""``kvledger bench serve``: trace readers, arrivals, vLLM's metric definitions, and a real run."""
+"""``kvledger bench serve``: the requests it draws from a trace, arrivals, vLLM's metric definitions,
+and a real run."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import pytest
 
 from kvledger.cli.main import main
 from kvledger.errors import KVLedgerError
-from kvledger.server.bench_serve import (
-    RequestResult, TraceRequest, arrival_times, calculate_metrics, load_trace, make_prompts, select,
-)
+from kvledger.bench.serve import make_prompts
+from kvledger.metrics.serving import RequestResult, calculate_metrics
+from kvledger.workload.sampling import SampledRequest, arrival_times, select
+from kvledger.workload.traces import read_trace
 
 AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:15:46.6805900,374,44
@@ -35,8 +37,9 @@ def azure_csv(tmp_path):
 
 
 def test_azure_trace_is_read_with_times(azure_csv):
-    fmt, rows = load_trace(azure_csv)
-    assert fmt == "azure"
+    trace = read_trace(azure_csv)
+    assert trace.format == "azure"
+    rows = select(trace, None, seed=0, sample="head", length_scale=1.0)
     assert [(r.input_len, r.output_len) for r in rows] == [(374, 44), (396, 109), (80, 8), (120, 12)]
     assert rows[0].arrival_s == 0.0
     assert rows[1].arrival_s == pytest.approx(4.314579, abs=1e-6)
@@ -45,10 +48,11 @@ def test_azure_trace_is_read_with_times(azure_csv):
 def test_mooncake_trace_keeps_hash_ids_and_ms_times(tmp_path):
     path = tmp_path / "mc.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in MOONCAKE) + "\n")
-    fmt, rows = load_trace(path)
-    assert fmt == "mooncake"
+    trace = read_trace(path)
+    assert trace.format == "mooncake"
+    rows = select(trace, None, seed=0, sample="head", length_scale=1.0)
     assert rows[1].hash_ids == [0, 1, 3] and rows[1].arrival_s == pytest.approx(0.25)
-    chosen = select(rows, 3, seed=0, sample="head", length_scale=0.25)
+    chosen = select(trace, 3, seed=0, sample="head", length_scale=0.25)
     assert [(r.input_len, r.output_len) for r in chosen] == [(275, 10), (300, 5), (150, 3)]
     prompts = make_prompts(chosen, seed=0, vocab_size=1000, token_id_low=10, length_scale=0.25)
     assert [len(p) for p in prompts] == [275, 300, 150]
@@ -61,18 +65,19 @@ def test_mooncake_trace_keeps_hash_ids_and_ms_times(tmp_path):
 def test_generic_csv_and_bad_files(tmp_path):
     path = tmp_path / "g.csv"
     path.write_text("input_len,output_len\n10,5\n7,3\n")
-    fmt, rows = load_trace(path)
-    assert fmt == "generic" and [(r.input_len, r.output_len, r.arrival_s) for r in rows] == [(10, 5, None), (7, 3, None)]
+    trace = read_trace(path)
+    rows = select(trace, None, seed=0, sample="head", length_scale=1.0)
+    assert trace.format == "csv" and [(r.input_len, r.output_len, r.arrival_s) for r in rows] == [(10, 5, None), (7, 3, None)]
     bad = tmp_path / "bad.csv"
     bad.write_text("a,b\n1,2\n")
-    with pytest.raises(KVLedgerError, match="input length"):
-        load_trace(bad)
-    with pytest.raises(KVLedgerError, match="not found"):
-        load_trace(tmp_path / "missing.csv")
+    with pytest.raises(KVLedgerError, match="unknown CSV header"):
+        read_trace(bad)
+    with pytest.raises(KVLedgerError, match="no such trace file"):
+        read_trace(tmp_path / "missing.csv")
 
 
 def test_select_is_seeded_and_respects_max_model_len(azure_csv):
-    _, rows = load_trace(azure_csv)
+    rows = read_trace(azure_csv)
     a = select(rows, 2, seed=1, sample="random", length_scale=1.0)
     b = select(rows, 2, seed=1, sample="random", length_scale=1.0)
     assert a == b and len(a) == 2
@@ -90,7 +95,7 @@ def test_poisson_arrivals_are_seeded_with_the_requested_rate():
     bursty = np.diff([0.0] + arrival_times(2000, 4.0, seed=7, burstiness=0.25))
     assert bursty.std() / bursty.mean() == pytest.approx(2.0, abs=0.25)  # gamma(k): cv = 1/sqrt(k)
     assert arrival_times(3, float("inf"), seed=0) == [0.0, 0.0, 0.0]
-    rows = [TraceRequest(1, 1, 10.0), TraceRequest(1, 1, 12.0), TraceRequest(1, 1, 16.0)]
+    rows = [SampledRequest(1, 1, 10.0), SampledRequest(1, 1, 12.0), SampledRequest(1, 1, 16.0)]
     assert arrival_times(3, "trace", seed=0, trace=rows, time_scale=2.0) == [0.0, 1.0, 3.0]
 
 

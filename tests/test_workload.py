@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvledger.errors import KVLedgerError
 from kvledger.planner import workload as wl
+from kvledger.workload.traces import read_trace
 from tests.cli_helpers import assert_one_line_error, kvledger
 
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces"
@@ -25,7 +26,7 @@ needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason="shared traces not
     ("azure2023_code.csv", 8819, "azure"), ("azure2023_conv.csv", 19366, "azure"),
     ("mooncake_conversation.jsonl", 12031, "mooncake"), ("mooncake_synthetic.jsonl", 3993, "mooncake")])
 def test_reads_every_shared_trace(name, rows, fmt):
-    trace = wl.read_trace(TRACES / name)
+    trace = read_trace(TRACES / name)
     assert (len(trace), trace.format) == (rows, fmt)
     assert trace.arrival_s is not None and trace.arrival_s[0] == 0 and np.all(np.diff(trace.arrival_s) >= 0)
     assert (trace.hash_ids is not None) == (fmt == "mooncake")
@@ -35,14 +36,14 @@ def test_reads_every_shared_trace(name, rows, fmt):
 def test_percentiles_match_the_published_summaries():
     """The traces' README: code context p50 1,469, p99 7,436; conv p99 4,142, max 14,050;
     Mooncake conversation input mean 12,035, p99 85,401; the Azure files span about an hour."""
-    code = wl.read_trace(TRACES / "azure2023_code.csv")
+    code = read_trace(TRACES / "azure2023_code.csv")
     assert wl.percentiles(code.prompt)["p50"] == 1469 and wl.percentiles(code.prompt)["p99"] == 7436
     assert round(wl.percentiles(code.prompt)["mean"]) == 2048
-    conv = wl.read_trace(TRACES / "azure2023_conv.csv")
+    conv = read_trace(TRACES / "azure2023_conv.csv")
     stats = wl.percentiles(conv.prompt)
     assert stats["p99"] == 4142 and stats["max"] == 14050
     assert 55 * 60 < conv.duration_s < 65 * 60
-    moon = wl.read_trace(TRACES / "mooncake_conversation.jsonl")
+    moon = read_trace(TRACES / "mooncake_conversation.jsonl")
     assert round(wl.percentiles(moon.prompt)["mean"]) == 12035
     assert abs(wl.percentiles(moon.prompt)["p99"] - 85401) <= 1
     assert 55 * 60 < moon.duration_s < 61 * 60
@@ -50,7 +51,7 @@ def test_percentiles_match_the_published_summaries():
 
 @needs_traces
 def test_mooncake_prefix_reuse_from_hash_ids():
-    trace = wl.read_trace(TRACES / "mooncake_conversation.jsonl")
+    trace = read_trace(TRACES / "mooncake_conversation.jsonl")
     saved = wl.prefix_savings(trace)
     assert saved["source"].startswith("hash_ids")
     assert 0.2 < saved["saved_share"] < 0.6  # multi-turn chat reuses its history
@@ -86,11 +87,11 @@ def test_plan_prints_workload_tables():
 def test_generic_csv_and_jsonl(tmp_path):
     csv_file = tmp_path / "t.csv"
     csv_file.write_text("prompt_tokens,output_tokens,timestamp\n100,10,2.0\n200,20,0.5\n")
-    trace = wl.read_trace(csv_file)
+    trace = read_trace(csv_file)
     assert trace.prompt.tolist() == [200, 100] and trace.arrival_s.tolist() == [0.0, 1.5]  # sorted by arrival
     jsonl = tmp_path / "t.jsonl"
     jsonl.write_text('{"prompt_tokens": 5, "output_tokens": 1}\n\n{"prompt_tokens": 7, "output_tokens": 0}\n')
-    trace = wl.read_trace(jsonl)
+    trace = read_trace(jsonl)
     assert trace.prompt.tolist() == [5, 7] and trace.arrival_s is None
     assert wl.replay(trace, lambda live: 0.01, 1e-4) is None
 
@@ -105,7 +106,25 @@ def test_malformed_csv_names_the_line(tmp_path, text, where):
     f = tmp_path / "bad.csv"
     f.write_text(text)
     with pytest.raises(KVLedgerError, match=where):
-        wl.read_trace(f)
+        read_trace(f)
+
+
+def test_generic_aliases_mooncake_without_hashes_and_empty_files(tmp_path):
+    """One reader for every client: vLLM-style ``input_len``/``output_len`` columns, Mooncake rows
+    without ``hash_ids`` (lengths and millisecond times only), and an empty file named as such."""
+    f = tmp_path / "g.jsonl"
+    f.write_text('{"input_len": 12, "output_len": 3}\n{"input_len": 7, "output_len": 1}\n')
+    trace = read_trace(f)
+    assert (trace.format, trace.prompt.tolist(), trace.output.tolist()) == ("jsonl", [12, 7], [3, 1])
+    f = tmp_path / "m.jsonl"
+    f.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2}\n'
+                 '{"timestamp": 1500, "input_length": 20, "output_length": 4}\n')
+    trace = read_trace(f)
+    assert trace.format == "mooncake" and trace.hash_ids is None and trace.arrival_s.tolist() == [0.0, 1.5]
+    for name in ("empty.jsonl", "empty.csv"):
+        (tmp_path / name).write_text("\n")
+        with pytest.raises(KVLedgerError, match="is empty"):
+            read_trace(tmp_path / name)
 
 
 def test_malformed_jsonl_through_the_cli_is_one_line(tmp_path):

@@ -150,8 +150,9 @@ def workload_report(args: argparse.Namespace, spec, gpu, wall, bandwidth: float)
     (exact for full-attention models; see ``bandwidth``)."""
     from kvledger.planner import bandwidth as bw
     from kvledger.planner import workload as wl
+    from kvledger.workload.traces import read_trace
 
-    trace = wl.read_trace(args.workload)
+    trace = read_trace(args.workload)
     context = max(1, round(wl.mean_live_tokens(trace)))
     token_bytes = bw.live_token_bytes(spec, wall.kv_cache_dtype, context, wall.tensor_parallel_size)
     rep = wl.replay(trace, lambda live: bw.step_time(wall.weights_bytes, live, token_bytes, bandwidth),

@@ -11,7 +11,7 @@ from kvledger.units import GiB
 
 if TYPE_CHECKING:
     from kvledger.planner.memory_wall import MemoryWall
-    from kvledger.planner.workload import Trace
+    from kvledger.workload.traces import Trace
     from kvledger.spec import ModelSpec
 
 

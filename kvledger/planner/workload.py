@@ -1,12 +1,7 @@
 """Workload sizing from a real request trace: lengths, live tokens over time, and the limits to set.
 
-Readers (chosen by the file's header or keys):
-
-* Azure LLM inference trace CSV: ``TIMESTAMP,ContextTokens,GeneratedTokens`` (wall-clock strings).
-* Mooncake JSONL: ``timestamp`` (integer ms from the start), ``input_length``, ``output_length``,
-  ``hash_ids`` (ids of the prompt's 512-token blocks; equal ids are equal content).
-* Generic CSV or JSONL: ``prompt_tokens,output_tokens[,timestamp]``; a numeric timestamp is in
-  seconds, a string is an ISO 8601 date-time.
+The trace itself comes from ``kvledger.workload.traces`` (one reader for the planner, the
+benchmark client and the simulator).
 
 The replay: each request arrives at its timestamp and stays resident for its prefill
 (``prompt x 2 x active parameters`` FLOPs at the card's dense bf16 rate times
@@ -19,175 +14,18 @@ Lengths are tokens, times seconds.
 
 from __future__ import annotations
 
-import csv
-import json
 import math
-from dataclasses import dataclass, field
-from datetime import datetime
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
-from kvledger.errors import KVLedgerError
+from kvledger.workload.traces import MOONCAKE_BLOCK_TOKENS, Trace
 
-MOONCAKE_BLOCK_TOKENS = 512
-"""Tokens per ``hash_ids`` block in the Mooncake traces."""
 REPLAY_SAMPLES = 4096
 """Points of the time grid on which live tokens are sampled."""
 HISTOGRAM_EDGES = (0, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 PERCENTILES = (50, 90, 99)
-
-_AZURE = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-_GENERIC = ("prompt_tokens", "output_tokens", "timestamp")
-_MOONCAKE = ("input_length", "output_length", "timestamp")
-
-
-@dataclass
-class Trace:
-    """Requests of one trace, in arrival order. Lengths in tokens, arrivals in seconds from the first."""
-
-    name: str
-    format: str
-    prompt: np.ndarray
-    output: np.ndarray
-    arrival_s: np.ndarray | None
-    hash_ids: list[list[int]] | None = field(default=None, repr=False)
-
-    def __len__(self) -> int:
-        return len(self.prompt)
-
-    @property
-    def total(self) -> np.ndarray:
-        return self.prompt + self.output
-
-    @property
-    def duration_s(self) -> float:
-        return float(self.arrival_s[-1] - self.arrival_s[0]) if self.arrival_s is not None and len(self) else 0.0
-
-
-# ------------------------------------------------------------------------------ readers
-def read_trace(path: str | Path) -> Trace:
-    """Read a trace file (Azure CSV, Mooncake JSONL, or generic CSV/JSONL)."""
-    p = Path(path)
-    if not p.is_file():
-        raise KVLedgerError(f"no such trace file: {p}; give --workload a CSV or JSONL trace")
-    try:
-        with p.open(newline="", encoding="utf-8") as fh:
-            first = fh.readline()
-            fh.seek(0)
-            if first.lstrip().startswith("{"):
-                trace = _read_jsonl(fh, p)
-            else:
-                trace = _read_csv(fh, p)
-    except UnicodeDecodeError:
-        raise KVLedgerError(f"{p} is not a text file; give a CSV or JSONL trace") from None
-    if not len(trace):
-        raise KVLedgerError(f"{p} holds no requests")
-    return trace
-
-
-def _int_field(value: Any, line: int, key: str, path: Path, minimum: int) -> int:
-    try:
-        number = int(value)
-        if isinstance(value, float) and value != number:
-            raise ValueError
-    except (TypeError, ValueError):
-        raise KVLedgerError(f"{path}:{line}: {key} must be an integer number of tokens, got {value!r}") from None
-    if number < minimum:
-        raise KVLedgerError(f"{path}:{line}: {key} must be at least {minimum}, got {number}")
-    return number
-
-
-def _time_field(value: Any, line: int, path: Path, scale: float) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value) * scale
-    text = str(value).strip()
-    try:
-        return float(text) * scale
-    except ValueError:
-        pass
-    try:
-        return datetime.fromisoformat(text).timestamp()
-    except ValueError:
-        raise KVLedgerError(f"{path}:{line}: timestamp {value!r} is neither a number nor an ISO date-time") from None
-
-
-def _read_csv(fh, path: Path) -> Trace:
-    reader = csv.reader(fh)
-    header = [h.strip() for h in next(reader, [])]
-    if all(c in header for c in _AZURE):
-        fmt, (tname, pname, oname) = "azure", _AZURE
-    elif all(c in header for c in _GENERIC[:2]):
-        fmt, (pname, oname, tname) = "csv", _GENERIC
-    else:
-        raise KVLedgerError(f"{path}:1: unknown CSV header {','.join(header)!r}; expected "
-                            "TIMESTAMP,ContextTokens,GeneratedTokens (Azure) or prompt_tokens,output_tokens[,timestamp]")
-    ip, io = header.index(pname), header.index(oname)
-    it = header.index(tname) if tname in header else None
-    scale = 1.0
-    prompts, outputs, times = [], [], []
-    for line, row in enumerate(reader, start=2):
-        if not row or not any(cell.strip() for cell in row):
-            continue
-        if len(row) != len(header):
-            raise KVLedgerError(f"{path}:{line}: expected {len(header)} columns ({','.join(header)}), got {len(row)}")
-        prompts.append(_int_field(row[ip], line, pname, path, 1))
-        outputs.append(_int_field(row[io], line, oname, path, 0))
-        if it is not None:
-            times.append(_time_field(row[it], line, path, scale))
-    return _trace(path, fmt, prompts, outputs, times if it is not None else None, None)
-
-
-def _read_jsonl(fh, path: Path) -> Trace:
-    prompts, outputs, times, hashes = [], [], [], []
-    fmt = None
-    for line, text in enumerate(fh, start=1):
-        if not text.strip():
-            continue
-        try:
-            row = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise KVLedgerError(f"{path}:{line}: not valid JSON ({err.msg})") from None
-        if not isinstance(row, dict):
-            raise KVLedgerError(f"{path}:{line}: expected a JSON object per line")
-        if fmt is None:
-            if "input_length" in row:
-                fmt = "mooncake"
-            elif "prompt_tokens" in row:
-                fmt = "jsonl"
-            else:
-                raise KVLedgerError(f"{path}:{line}: unknown keys {sorted(row)}; expected input_length/output_length "
-                                    "(Mooncake) or prompt_tokens/output_tokens")
-        pkey, okey = ("input_length", "output_length") if fmt == "mooncake" else ("prompt_tokens", "output_tokens")
-        if pkey not in row or okey not in row:
-            raise KVLedgerError(f"{path}:{line}: missing {pkey if pkey not in row else okey}")
-        prompts.append(_int_field(row[pkey], line, pkey, path, 1))
-        outputs.append(_int_field(row[okey], line, okey, path, 0))
-        if "timestamp" in row:
-            times.append(_time_field(row["timestamp"], line, path, 1e-3 if fmt == "mooncake" else 1.0))
-        elif times:
-            raise KVLedgerError(f"{path}:{line}: missing timestamp (earlier rows have one)")
-        if fmt == "mooncake":
-            ids = row.get("hash_ids")
-            if not isinstance(ids, list):
-                raise KVLedgerError(f"{path}:{line}: hash_ids must be a list of block ids")
-            hashes.append(ids)
-    return _trace(path, fmt or "jsonl", prompts, outputs, times or None, hashes or None)
-
-
-def _trace(path: Path, fmt: str, prompts: list, outputs: list, times: list | None, hashes: list | None) -> Trace:
-    prompt = np.asarray(prompts, dtype=np.int64)
-    output = np.asarray(outputs, dtype=np.int64)
-    arrival = None
-    if times is not None and len(times) == len(prompts) and times:
-        t = np.asarray(times, dtype=np.float64)
-        order = np.argsort(t, kind="stable")
-        arrival = t[order] - t[order][0]
-        prompt, output = prompt[order], output[order]
-        if hashes is not None:
-            hashes = [hashes[i] for i in order]
-    return Trace(name=path.name, format=fmt, prompt=prompt, output=output, arrival_s=arrival, hash_ids=hashes)
 
 
 # ------------------------------------------------------------------------------ lengths

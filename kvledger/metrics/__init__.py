@@ -1,0 +1,1 @@
+"""Serving-metric definitions shared by the benchmark client and the simulator (torch-free)."""
