@@ -12,6 +12,8 @@ import re
 
 from kvledger.errors import KVLedgerError
 
+MiB = 1 << 20
+"""Bytes in one mebibyte."""
 GiB = 1 << 30
 """Bytes in one gibibyte."""
 

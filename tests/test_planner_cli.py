@@ -148,9 +148,9 @@ def test_gpu_memory_flag_is_recorded_and_labelled():
 
 
 def test_max_num_seqs_sizes_the_profiling_pass():
-    """The sampler's float32 logits and one copy: 128,256 x 4 x 2 bytes more per extra sequence."""
+    """The sampler's bf16 logits and three float32 copies: 128,256 x (2 + 3 x 4) bytes more per extra sequence."""
     few, many = plan(*CHAPTER[:3], "--max-num-seqs", "1"), plan(*CHAPTER[:3], "--max-num-seqs", "257")
-    assert many["activation_bytes"] - few["activation_bytes"] == 256 * 128_256 * 4 * 2
+    assert many["activation_bytes"] - few["activation_bytes"] == 256 * 128_256 * (2 + 3 * 4)
 
 
 def test_plot_that_cannot_be_written_is_one_line(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvledger.cli.common import positive_int, print_json
-from kvledger.spec.dtypes import KV_QUALITY_DEFAULT_KINDS, QUANTIZED_KV_DTYPES
+from kvledger.spec.dtypes import ENGINE_QUANTIZED_KV_DTYPES, KV_QUALITY_DEFAULT_KINDS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or a model directory")
     p.add_argument("--text", default=None, metavar="FILE",
                    help="UTF-8 text (default: the Python language reference shipped with Python)")
-    p.add_argument("--kv-cache-dtype", nargs="+", action="extend", choices=QUANTIZED_KV_DTYPES, metavar="D",
+    p.add_argument("--kv-cache-dtype", nargs="+", action="extend", choices=ENGINE_QUANTIZED_KV_DTYPES, metavar="D",
                    dest="kinds", help="8-bit kinds to compare with the unquantized cache "
                                       f"(default: {' '.join(KV_QUALITY_DEFAULT_KINDS)})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],

@@ -8,16 +8,17 @@ from typing import Any
 
 from kvledger.cli.common import add_kv_cache_dtype, fraction, positive_int, print_json, rate, size
 from kvledger.planner.bandwidth import CROSSOVER_CONTEXT, DEFAULT_BANDWIDTH_EFFICIENCY
-from kvledger.planner.memory_wall import (DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION,
-                                          DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS)
-from kvledger.spec.weights import WEIGHT_DTYPE_BYTES
+from kvledger.planner.memory_wall import DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION, VLLM_BLOCK_SIZES
+from kvledger.spec.weights import MODEL_DTYPES, RUNTIME_QUANTIZATIONS, WEIGHT_DTYPE_BYTES
 from kvledger.units import GiB
 
 
 def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     """The memory-wall flags, shared by ``plan`` and ``advise`` (vLLM's names where it has one)."""
-    p.add_argument("model", help="preset name (e.g. llama-3.1-8b), config.json or model directory")
-    p.add_argument("--gpu", required=True, metavar="NAME", help="GPU from the catalog, e.g. a100-80gb, h100-80gb, l4")
+    p.add_argument("model", nargs="?", help="preset name (e.g. llama-3.1-8b), Hugging Face id with a bundled config "
+                                            "(meta-llama/Llama-3.1-8B), config.json or model directory")
+    p.add_argument("--gpu", required=True, metavar="NAME",
+                   help="GPU from the catalog, e.g. a100-80gb, h100-80gb, l4 ('--gpu list' lists the catalog)")
     p.add_argument("--gpu-memory", type=size, metavar="SIZE",
                    help="override the card's memory (bytes or e.g. 80GiB); default: what the device reports")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=DEFAULT_GPU_MEMORY_UTILIZATION, metavar="F",
@@ -25,21 +26,32 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overhead", type=size, metavar="SIZE",
                    help="replaces the sum of activation peak, non-torch and CUDA-graph memory")
     p.add_argument("--activation-memory", type=size, metavar="SIZE", help="override the activation-peak estimate")
-    p.add_argument("--non-torch-memory", type=size, metavar="SIZE", help="override non-torch memory (default 0.15 GiB, +1 GiB at TP>=2)")
-    p.add_argument("--cuda-graph-memory", type=size, metavar="SIZE", help="override CUDA-graph memory (default 0.5 GiB)")
+    p.add_argument("--non-torch-memory", type=size, metavar="SIZE",
+                   help="override non-torch memory (default 0.25 GiB; 2 GiB + 0.035 GiB x TP at TP>=2)")
+    p.add_argument("--cuda-graph-memory", type=size, metavar="SIZE",
+                   help="override the CUDA-graph estimate (outside the pool in vLLM 0.19; checked against the headroom)")
     p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", type=size, metavar="SIZE",
                    help="KV pool per card, replacing the whole wall (vLLM's kv_cache_memory_bytes)")
     add_kv_cache_dtype(p)
     p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
                    help="tensor-parallel ranks; weights and KV heads split, numbers are per card (default 1)")
-    p.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE, metavar="N",
-                   help=f"tokens per KV block (default {DEFAULT_BLOCK_SIZE})")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1, metavar="N",
+                   help="pipeline stages; layers split, numbers are the last stage's card (default 1)")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, choices=VLLM_BLOCK_SIZES, metavar="N",
+                   help=f"tokens per KV block: {', '.join(map(str, VLLM_BLOCK_SIZES))} (default {DEFAULT_BLOCK_SIZE})")
+    p.add_argument("--dtype", default="auto", choices=("auto", *MODEL_DTYPES), metavar="D",
+                   help=f"vLLM's --dtype for weights and activations: auto, {', '.join(MODEL_DTYPES)} "
+                        "(default auto: the config's torch_dtype)")
+    p.add_argument("--quantization", "-q", choices=RUNTIME_QUANTIZATIONS, metavar="METHOD",
+                   help="vLLM's runtime quantization of an unquantized checkpoint: fp8 (linear layers 1 byte)")
     p.add_argument("--weights-dtype", choices=tuple(WEIGHT_DTYPE_BYTES), metavar="D",
-                   help=f"weights at this size instead of the checkpoint's: {', '.join(WEIGHT_DTYPE_BYTES)}")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS, metavar="N",
-                   help=f"tokens in the profiling pass that sets the activation peak (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
-    p.add_argument("--max-num-seqs", type=positive_int, default=DEFAULT_MAX_NUM_SEQS, metavar="N",
-                   help=f"concurrency cap; sizes the sampler in the profiling pass (default {DEFAULT_MAX_NUM_SEQS})")
+                   help=f"what-if: every weight at this size: {', '.join(WEIGHT_DTYPE_BYTES)}")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, metavar="N",
+                   help="tokens in the profiling pass that sets the activation peak "
+                        "(default vLLM's for the card: 8192 on 70 GiB+ cards but the A100, else 2048)")
+    p.add_argument("--max-num-seqs", type=positive_int, metavar="N",
+                   help="concurrency cap; sizes the sampler in the profiling pass "
+                        "(default vLLM's for the card: 1024 on 70 GiB+ cards but the A100, else 256)")
     p.add_argument("--bandwidth", type=rate, metavar="RATE",
                    help="sustained memory bandwidth, e.g. 1.5TB/s (default: the card's peak x --bandwidth-efficiency)")
     p.add_argument("--bandwidth-efficiency", type=fraction, default=DEFAULT_BANDWIDTH_EFFICIENCY, metavar="F",
@@ -71,7 +83,9 @@ def memory_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``plan_memory`` keyword arguments from the parsed flags."""
     return dict(
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
-        tensor_parallel_size=args.tensor_parallel_size, block_size=args.block_size, weights_dtype=args.weights_dtype,
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        block_size=args.block_size, weights_dtype=args.weights_dtype,
+        dtype=None if args.dtype == "auto" else args.dtype, quantization=args.quantization,
         overhead=args.overhead, kv_cache_memory=args.kv_cache_memory, activation=args.activation_memory,
         non_torch=args.non_torch_memory, cuda_graph=args.cuda_graph_memory,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

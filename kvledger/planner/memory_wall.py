@@ -1,19 +1,30 @@
 """The memory wall, with vLLM's semantics: what is left of the card for the KV cache.
 
-    pool = total x gpu_memory_utilization - weights - activation peak - non-torch - CUDA graphs
+    pool = total x gpu_memory_utilization - weights - activation peak - non-torch memory
 
-``total`` is the memory the device reports (see ``gpus``). vLLM measures the last three terms
-by profiling a forward pass; here each has a documented default (below), is shown, and can be
-overridden one by one, or all together with ``--overhead``. ``--kv-cache-memory`` replaces the
-pool outright, as vLLM's ``kv_cache_memory_bytes`` does.
+``total`` is the memory the device reports (see ``gpus``). vLLM measures the last two terms
+by profiling a forward pass of ``max_num_batched_tokens`` tokens and a sampler pass over
+``max_num_seqs`` rows; here each has a formula of the model's shapes and the flags (below),
+calibrated on vLLM 0.19's own start-up logs (``kvledger.planner.validation``), shown, and
+overridable one by one, or all together with ``--overhead``. ``--kv-cache-memory`` replaces
+the pool outright, as vLLM's ``kv_cache_memory_bytes`` does.
+
+Outside the pool, in the ``1 - gpu_memory_utilization`` share of the card, vLLM 0.19 also
+needs the CUDA context and the communicators it creates at start-up, the CUDA graphs it
+captures *after* sizing the pool (its log: "CUDA graph memory profiling will be enabled by
+default" in a later release), and the sampler's warm-up over ``max_num_seqs`` dummy requests.
+When that headroom is short the engine runs out of memory after the pool is allocated (the
+gpt-oss-20b runs of the table): the verdict is then "tight", not "fits".
 
 The pool is cut into blocks of ``block_size`` tokens; one block holds every layer's K and V
-(and, for 8-bit caches, their scales) for those tokens on one rank:
+(and, for quantized caches, their scales) for those tokens on one rank:
 
-    num_blocks = pool // (block_size x (bytes_per_token + scale_bytes_per_token))
+    num_blocks = pool // (block_size x token bytes)
     kv_tokens  = num_blocks x block_size        (vLLM's "GPU KV cache size: N tokens")
 
-All sizes are bytes; under tensor parallelism everything is per rank (one card).
+All sizes are bytes; under tensor parallelism everything is per rank (one card), under
+pipeline parallelism it is the last stage's (the one with ``lm_head`` and the sampler, whose
+pool is the smallest and so sets vLLM's count).
 """
 
 from __future__ import annotations
@@ -25,24 +36,75 @@ from typing import Callable
 
 from kvledger.errors import KVLedgerError
 from kvledger.planner.gpus import GPU, check_kv_dtype_supported
-from kvledger.spec import ModelSpec, kv_bytes, weights_bytes
-from kvledger.units import GiB
+from kvledger.spec import ModelSpec, kv_bytes
+from kvledger.spec.weights import model_dtype, weight_bytes_breakdown, MODEL_DTYPES
+from kvledger.units import GiB, MiB
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 """vLLM's default ``--gpu-memory-utilization``."""
 DEFAULT_BLOCK_SIZE = 16
 """vLLM's default ``--block-size`` on CUDA (tokens per block)."""
+VLLM_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
+"""The ``--block-size`` values vLLM accepts on CUDA."""
+LARGE_CARD_BYTES = 70 * GiB
+"""vLLM raises its serving defaults on cards of at least this much memory, the A100 excepted."""
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-"""Tokens in vLLM's profiling forward pass (its default ``--max-num-batched-tokens`` for serving)."""
-DEFAULT_MAX_NUM_SEQS = 256
-"""vLLM's default ``--max-num-seqs``: the sampler's profiling batch."""
-NON_TORCH_BYTES = int(0.15 * GiB)
-"""Memory allocated outside PyTorch's allocator after start-up (cuBLAS/cuDNN workspaces) at TP 1.
-vLLM logs 0.05-0.2 GiB here for single-card 8B models ("non_torch_memory takes 0.12GiB")."""
-NON_TORCH_BYTES_TP = int(1.0 * GiB)
-"""At TP >= 2 add NCCL communicators and the custom all-reduce buffers: about 1 GiB per rank."""
-CUDA_GRAPH_BYTES = int(0.5 * GiB)
-"""Captured CUDA graphs (decode batch sizes up to 512): a few hundred MiB for an 8B model."""
+"""Tokens in vLLM's profiling forward pass for ``vllm serve`` on a large card (its log:
+"Defaulting max_num_batched_tokens to 8192 for OPENAI_API_SERVER usage context")."""
+SMALL_CARD_MAX_NUM_BATCHED_TOKENS = 2048
+"""The same default on smaller cards and on the A100."""
+DEFAULT_MAX_NUM_SEQS = 1024
+"""vLLM's ``--max-num-seqs`` for serving on a large card ("Defaulting max_num_seqs to 1024"):
+the sampler's profiling batch."""
+SMALL_CARD_MAX_NUM_SEQS = 256
+"""The same default on smaller cards and on the A100."""
+
+# ----- the activation peak of the profiling pass (calibrated on the validation table)
+SAMPLER_FP32_COPIES = 3
+"""The sampler pass holds the logits of ``max_num_seqs`` rows in the model dtype plus three
+float32 working copies (the cast, softmax, log-probabilities): ``max_num_seqs x vocab x
+(3 x 4 + s)`` bytes. The full vocabulary on every TP rank (vLLM gathers the logits)."""
+RESIDUAL_COPIES = 3
+"""Beside the sampler, the forward pass keeps three hidden-state tensors of every profiled token
+live (residual, normed input, output): ``3 x max_num_batched_tokens x hidden x s``."""
+VISION_PROFILE_BYTES = int(0.25 * GiB)
+"""A multimodal checkpoint (``vision_config`` in config.json) also profiles its vision encoder
+on dummy images: the Gemma-3 rows of the table measure about 0.25 GiB more."""
+
+# ----- non-torch memory and what lies outside the pool
+NON_TORCH_BYTES = int(0.25 * GiB)
+"""Memory allocated outside PyTorch's allocator during the profiling pass at TP 1 (cuBLAS
+workspaces): vLLM 0.19 logs 0.24-0.27 GiB on an H100 for every dense and MoE model of the table."""
+NON_TORCH_TP_BYTES = int(2.0 * GiB)
+NON_TORCH_TP_PER_RANK_BYTES = int(0.035 * GiB)
+"""At TP >= 2 the first forward also allocates the NCCL and custom all-reduce buffers:
+2.06-2.11 GiB per rank at TP 2 and 2.13-2.21 at TP 4 in the table, ``2 GiB + 0.035 GiB x TP``."""
+NON_TORCH_PP_BYTES = int(0.07 * GiB)
+"""At PP >= 2 (TP 1) the stages' forward allocates only 0.07 GiB outside PyTorch (the table);
+their communicators are created at start-up, before the profile (``COMM_INIT_BYTES``)."""
+CUDA_CONTEXT_BYTES = int(0.51 * GiB)
+"""The CUDA context of the engine process, in use before the model loads ("init memory
+snapshot: cuda_memory=0.51GiB"): outside vLLM's budget, out of the headroom."""
+COMM_INIT_BYTES = int(1.0 * GiB)
+"""The communicators created at start-up when TP or PP >= 2: the table's snapshots read
+1.43-2.07 GiB before the model loads, 0.9-1.5 GiB above the CUDA context."""
+CUDA_GRAPH_BYTES_PER_SIZE = 12 * MiB
+CUDA_GRAPH_BYTES_PER_SIZE_LAYER = MiB // 4
+"""Captured CUDA graphs (piecewise and full, per captured batch size): ``12 MiB + 0.25 MiB x
+layers`` per size fits the table's measured graph pools (0.64-1.84 GiB) within about 25%."""
+CUDA_GRAPH_MAX_CAPTURE = 512
+"""vLLM's largest captured batch size; sizes 1, 2, 4, then every 8 to 256, every 16 above:
+51 sizes up to 512."""
+CUDA_GRAPH_MAX_CAPTURE_BY_ARCH = {"GptOssForCausalLM": 1024}
+"""vLLM's per-architecture configuration raises the capture size for these (gpt-oss: 83 sizes)."""
+HEADROOM_MARGIN_BYTES = int(1.5 * GiB)
+"""Below this much memory left outside the pool (after the CUDA context, the communicators,
+the CUDA graphs and one float32 copy of the sampler's warm-up logits), the verdict is "tight":
+the largest gap between these estimates and what the table's runs needed (gpt-oss-20b ran out
+of memory in its sampler warm-up with 1.6 GiB left after its graphs: allocator fragmentation)."""
+TOKEN_SPREAD = 0.03
+"""The relative spread between estimated and measured KV tokens in the validation table (its
+worst started run, see BENCHMARKS.md): when the pool holds the request by less, "tight"."""
 
 CONTEXTS = (2048, 8192, 32768, 131072)
 """The chapter's context lengths for the users-per-context table (tokens)."""
@@ -50,68 +112,112 @@ TP_HINT_SIZES = (2, 4, 8, 16, 32, 64)
 """Tensor-parallel sizes the does-not-fit error tries, smallest first."""
 
 
+def default_max_num_seqs(gpu: GPU) -> int:
+    """vLLM's serving default of ``--max-num-seqs`` on ``gpu``: 1024 on cards of 70 GiB and
+    more except the A100, else 256."""
+    return DEFAULT_MAX_NUM_SEQS if _large_card(gpu) else SMALL_CARD_MAX_NUM_SEQS
+
+
+def default_max_num_batched_tokens(gpu: GPU) -> int:
+    """vLLM's serving default of ``--max-num-batched-tokens`` on ``gpu``: 8192 on large cards, else 2048."""
+    return DEFAULT_MAX_NUM_BATCHED_TOKENS if _large_card(gpu) else SMALL_CARD_MAX_NUM_BATCHED_TOKENS
+
+
+def _large_card(gpu: GPU) -> bool:
+    return gpu.memory_bytes >= LARGE_CARD_BYTES and "a100" not in gpu.name
+
+
 @dataclass(frozen=True)
 class Overheads:
-    """The non-weight terms of the wall, bytes per rank."""
+    """The non-weight terms of the wall inside the pool's budget, bytes per rank."""
 
     activation_bytes: int
     non_torch_bytes: int
-    cuda_graph_bytes: int
     given_total: int | None = None
-    """``--overhead``: replaces the sum of the three terms when set."""
+    """``--overhead``: replaces the sum of the two terms when set."""
 
     @property
     def total(self) -> int:
         if self.given_total is not None:
             return self.given_total
-        return self.activation_bytes + self.non_torch_bytes + self.cuda_graph_bytes
+        return self.activation_bytes + self.non_torch_bytes
 
 
 def activation_peak_bytes(spec: ModelSpec, tensor_parallel_size: int = 1,
                           max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                           max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, act_bytes: int = 2) -> int:
-    """Peak of PyTorch's allocator in vLLM's profiling pass, estimated from the model's shapes.
+    """Peak of PyTorch's allocator in vLLM's profiling pass (bytes per rank), from the shapes.
 
-    The MLP is the widest point of a layer: for each of ``max_num_batched_tokens`` tokens the
-    residual and the normed input (``2 h``) are live beside the gate/up output and the
-    activated product (``3 I``, sharded by TP), in the activation dtype (``act_bytes``).
-    The sampler adds float32 logits and one working copy for ``max_num_seqs`` rows (the
-    vocabulary is sharded by TP). For Llama-3.1-8B this gives about 1.0 GiB; vLLM measured
-    1.19 GiB on an A100 ("PyTorch activation peak memory takes 1.19GiB").
+    The sampler term dominates: ``max_num_seqs x vocab x (3 x 4 + act_bytes)`` (see
+    ``SAMPLER_FP32_COPIES``), not sharded by TP. Beside it the forward pass keeps
+    ``RESIDUAL_COPIES`` hidden states per token. A MoE layer adds its routed activations, the
+    ``top_k`` copies of each token entering the experts and the experts' gate/up outputs:
+    ``tokens x top_k x (hidden + 2 x moe_intermediate / TP) x act_bytes``. A multimodal
+    checkpoint adds its vision encoder's profile. Llama-3.1-8B on an H100 (1024 rows, 8192
+    tokens): 1.90 GiB; vLLM 0.19 measured 1.89 GiB ("torch peak memory increase").
     """
     tp = tensor_parallel_size
+    sampler = max_num_seqs * spec.vocab_size * (SAMPLER_FP32_COPIES * 4 + act_bytes)
+    residual = RESIDUAL_COPIES * max_num_batched_tokens * spec.hidden_size * act_bytes
+    moe = 0
     if spec.is_moe:
-        width = (spec.moe_intermediate_size or spec.intermediate_size) * max(1, spec.num_experts_per_token)
-    else:
-        width = spec.intermediate_size
-    per_token = (2 * spec.hidden_size + 3 * width // tp) * act_bytes
-    logits = max_num_seqs * (spec.vocab_size // tp) * 4 * 2
-    return max_num_batched_tokens * per_token + logits
+        moe_i = spec.moe_intermediate_size or spec.intermediate_size
+        moe = max_num_batched_tokens * spec.num_experts_per_token * (spec.hidden_size + 2 * moe_i // tp) * act_bytes
+    vision = VISION_PROFILE_BYTES if isinstance(spec.config.get("vision_config"), dict) else 0
+    return sampler + residual + moe + vision
 
 
-def default_overheads(spec: ModelSpec, tensor_parallel_size: int = 1,
-                      max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                      max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> Overheads:
-    """The documented default of each overhead term."""
-    non_torch = NON_TORCH_BYTES + (NON_TORCH_BYTES_TP if tensor_parallel_size >= 2 else 0)
-    return Overheads(
-        activation_bytes=activation_peak_bytes(spec, tensor_parallel_size, max_num_batched_tokens, max_num_seqs),
-        non_torch_bytes=non_torch,
-        cuda_graph_bytes=CUDA_GRAPH_BYTES,
-    )
+def non_torch_bytes(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> int:
+    """Memory allocated outside PyTorch during the profiling pass, per rank (see the constants)."""
+    if tensor_parallel_size >= 2:
+        return NON_TORCH_TP_BYTES + NON_TORCH_TP_PER_RANK_BYTES * tensor_parallel_size
+    if pipeline_parallel_size >= 2:
+        return NON_TORCH_PP_BYTES
+    return NON_TORCH_BYTES
+
+
+def cuda_graph_capture_sizes(spec: ModelSpec, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> int:
+    """How many batch sizes vLLM captures: 1, 2, 4, every 8 to 256, every 16 above, up to
+    ``min(max capture, 2 x max_num_seqs)`` (the architecture's max capture where vLLM raises it)."""
+    archs = spec.config.get("architectures") or []
+    top = max([CUDA_GRAPH_MAX_CAPTURE] + [CUDA_GRAPH_MAX_CAPTURE_BY_ARCH.get(a, 0) for a in archs])
+    top = min(top, 2 * max_num_seqs)
+    sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, top + 1, 16))
+    return len([n for n in sizes if n <= top])
+
+
+def cuda_graph_bytes(spec: ModelSpec, stage_layers: int, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> int:
+    """CUDA graph memory vLLM captures after the pool is sized, per rank (bytes)."""
+    per_size = CUDA_GRAPH_BYTES_PER_SIZE + CUDA_GRAPH_BYTES_PER_SIZE_LAYER * stage_layers
+    return cuda_graph_capture_sizes(spec, max_num_seqs) * per_size
+
+
+def sampler_warmup_bytes(spec: ModelSpec, max_num_seqs: int) -> int:
+    """One float32 copy of the logits of ``max_num_seqs`` dummy requests: what vLLM's sampler
+    warm-up allocates after the pool (gpt-oss-20b: "Tried to allocate 786.00 MiB")."""
+    return max_num_seqs * spec.vocab_size * 4
+
+
+def stage_layers(spec: ModelSpec, pipeline_parallel_size: int = 1) -> int:
+    """Layers on the last pipeline stage: vLLM splits evenly and gives the remainder to the
+    stages before the last."""
+    if pipeline_parallel_size > spec.num_layers:
+        raise KVLedgerError(f"--pipeline-parallel-size {pipeline_parallel_size} exceeds the {spec.num_layers} layers "
+                            f"of {spec.name}")
+    return spec.num_layers // pipeline_parallel_size
 
 
 def overheads(spec: ModelSpec, tensor_parallel_size: int = 1, *, overhead: int | None = None,
-              activation: int | None = None, non_torch: int | None = None, cuda_graph: int | None = None,
+              activation: int | None = None, non_torch: int | None = None,
               max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-              max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> Overheads:
-    """The overhead terms at ``tensor_parallel_size``: each user value (bytes per rank) where
-    given, else its default; ``overhead`` replaces their sum."""
-    terms = default_overheads(spec, tensor_parallel_size, max_num_batched_tokens, max_num_seqs)
+              max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, pipeline_parallel_size: int = 1,
+              act_bytes: int = 2) -> Overheads:
+    """The in-budget overhead terms at ``tensor_parallel_size``: each user value (bytes per
+    rank) where given, else its formula; ``overhead`` replaces their sum."""
     return Overheads(
-        activation_bytes=terms.activation_bytes if activation is None else activation,
-        non_torch_bytes=terms.non_torch_bytes if non_torch is None else non_torch,
-        cuda_graph_bytes=terms.cuda_graph_bytes if cuda_graph is None else cuda_graph,
+        activation_bytes=(activation_peak_bytes(spec, tensor_parallel_size, max_num_batched_tokens, max_num_seqs,
+                                                act_bytes) if activation is None else activation),
+        non_torch_bytes=non_torch_bytes(tensor_parallel_size, pipeline_parallel_size) if non_torch is None else non_torch,
         given_total=overhead,
     )
 
@@ -127,12 +233,12 @@ class MemoryWall:
     requested_bytes: int
     """``total x utilization``: what the engine may claim."""
     weights_bytes: int
-    """Per rank."""
+    """Per rank (of the last pipeline stage)."""
     weights_bytes_all_ranks: int
     activation_bytes: int
     non_torch_bytes: int
-    cuda_graph_bytes: int
     overhead_bytes: int
+    """Inside the budget: activation peak + non-torch memory (or ``--overhead``)."""
     overhead_given: bool
     kv_pool_bytes: int
     kv_pool_given: bool
@@ -148,6 +254,21 @@ class MemoryWall:
     tensor_parallel_size: int
     sliding_window: int | None
     num_sliding_layers: int
+    pipeline_parallel_size: int = 1
+    dtype: str = "bfloat16"
+    """The model dtype the weights and an ``auto`` cache take (vLLM's ``--dtype``)."""
+    quantization: str | None = None
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    cuda_graph_bytes: int = 0
+    """Outside the pool: captured after it is sized (vLLM 0.19)."""
+    cuda_context_bytes: int = CUDA_CONTEXT_BYTES
+    comm_init_bytes: int = 0
+    sampler_warmup_bytes: int = 0
+    headroom_bytes: int = 0
+    """``total - requested``: where the CUDA context, communicators, graphs and warm-up must fit."""
+    headroom_left_bytes: int = 0
+    """What is left of ``headroom_bytes`` after those terms (negative: short)."""
 
     @property
     def token_bytes(self) -> int:
@@ -162,34 +283,48 @@ def plan_memory(
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     kv_cache_dtype: str = "auto",
     tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
     block_size: int = DEFAULT_BLOCK_SIZE,
     weights_dtype: str | None = None,
+    dtype: str | None = None,
+    quantization: str | None = None,
     overhead: int | None = None,
     kv_cache_memory: int | None = None,
     activation: int | None = None,
     non_torch: int | None = None,
     cuda_graph: int | None = None,
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+    max_num_batched_tokens: int | None = None,
+    max_num_seqs: int | None = None,
 ) -> MemoryWall:
-    """The wall for ``spec`` on ``gpu``; raises KVLedgerError when the model does not fit."""
+    """The wall for ``spec`` on ``gpu``; raises KVLedgerError when the model does not fit.
+    ``max_num_batched_tokens`` and ``max_num_seqs`` default to vLLM's serving defaults for the card."""
     if not 0 < gpu_memory_utilization <= 1:
         raise KVLedgerError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
-    for value, flag in ((block_size, "--block-size"), (tensor_parallel_size, "--tensor-parallel-size")):
+    for value, flag in ((block_size, "--block-size"), (tensor_parallel_size, "--tensor-parallel-size"),
+                        (pipeline_parallel_size, "--pipeline-parallel-size")):
         if not isinstance(value, int) or value <= 0:
             raise KVLedgerError(f"{flag} must be a positive integer, got {value!r}")
+    if block_size not in VLLM_BLOCK_SIZES:
+        raise KVLedgerError(f"--block-size {block_size} is not one vLLM accepts; choose one of "
+                            f"{', '.join(map(str, VLLM_BLOCK_SIZES))}")
     for value, flag in ((overhead, "--overhead"), (kv_cache_memory, "--kv-cache-memory"), (activation, "--activation-memory"),
                         (non_torch, "--non-torch-memory"), (cuda_graph, "--cuda-graph-memory")):
         if value is not None and value < 0:
             raise KVLedgerError(f"{flag} must not be negative, got {value}")
-    tp = tensor_parallel_size
-    kvb = kv_bytes(spec, kv_cache_dtype, tensor_parallel_size=tp)
+    seqs = max_num_seqs if max_num_seqs is not None else default_max_num_seqs(gpu)
+    batched = max_num_batched_tokens if max_num_batched_tokens is not None else default_max_num_batched_tokens(gpu)
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    layers = stage_layers(spec, pp)
+    unq = model_dtype(spec, dtype)
+    act_bytes = MODEL_DTYPES[unq]
+    kvb = kv_bytes(spec, kv_cache_dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp, model_dtype=unq)
     check_kv_dtype_supported(gpu, kvb.kv_cache_dtype)
-    all_weights = weights_bytes(spec, weights_dtype)
-    weights = math.ceil(all_weights / tp)
+    parts = weight_bytes_breakdown(spec, weights_dtype, dtype=dtype, quantization=quantization)
+    all_weights = parts.total
+    weights = parts.per_rank(spec.num_layers, layers, tp, first_stage=pp == 1, last_stage=True)
     overheads_at = partial(overheads, spec, overhead=overhead, activation=activation, non_torch=non_torch,
-                           cuda_graph=cuda_graph, max_num_batched_tokens=max_num_batched_tokens,
-                           max_num_seqs=max_num_seqs)
+                           max_num_batched_tokens=batched, max_num_seqs=seqs, pipeline_parallel_size=pp,
+                           act_bytes=act_bytes)
     terms = overheads_at(tp)
     requested = int(gpu.memory_bytes * gpu_memory_utilization)
     if kv_cache_memory is not None:
@@ -201,28 +336,36 @@ def plan_memory(
     else:
         pool = requested - weights - terms.total
         if pool <= 0:
-            fits = _fitting_tp(spec, kv_cache_dtype, block_size, all_weights, requested, tp, overheads_at)
+            fits = _fitting_tp(spec, kv_cache_dtype, block_size, parts, layers, pp, requested, tp, overheads_at, unq)
             raise KVLedgerError(_does_not_fit(spec, gpu, weights, terms.total, requested, tp, gpu_memory_utilization,
                                               weights_dtype, fits))
     blocks = kvb.num_blocks(pool, block_size)  # the engine sizes its block pool with the same call
     if blocks == 0:
         raise KVLedgerError(f"the KV pool ({pool:,} bytes) holds not even one block of {block_size} tokens "
                             f"({block_size * kvb.token_bytes:,} bytes); give the cache more memory")
+    graphs = cuda_graph_bytes(spec, layers, seqs) if cuda_graph is None else cuda_graph
+    comm = COMM_INIT_BYTES if tp > 1 or pp > 1 else 0
+    warmup = sampler_warmup_bytes(spec, seqs)
+    headroom = gpu.memory_bytes - (requested if kv_cache_memory is None else weights + terms.total + pool)
+    left = headroom - CUDA_CONTEXT_BYTES - comm - graphs - warmup
     return MemoryWall(
         model=spec.name, gpu=gpu.name, total_bytes=gpu.memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
         requested_bytes=requested, weights_bytes=weights, weights_bytes_all_ranks=all_weights,
         activation_bytes=terms.activation_bytes, non_torch_bytes=terms.non_torch_bytes,
-        cuda_graph_bytes=terms.cuda_graph_bytes, overhead_bytes=terms.total, overhead_given=overhead is not None,
+        overhead_bytes=terms.total, overhead_given=overhead is not None,
         kv_pool_bytes=pool, kv_pool_given=kv_cache_memory is not None, kv_cache_dtype=kvb.kv_cache_dtype,
         bytes_per_token=kvb.bytes_per_token, scale_bytes_per_token=kvb.scale_bytes_per_token,
         block_size=block_size, block_bytes=block_size * kvb.token_bytes, num_blocks=blocks,
         kv_tokens=blocks * block_size, tensor_parallel_size=tp, sliding_window=spec.sliding_window,
-        num_sliding_layers=spec.num_sliding_layers,
+        num_sliding_layers=spec.num_sliding_layers, pipeline_parallel_size=pp, dtype=unq,
+        quantization=parts.quantization, max_num_seqs=seqs, max_num_batched_tokens=batched,
+        cuda_graph_bytes=graphs, comm_init_bytes=comm, sampler_warmup_bytes=warmup,
+        headroom_bytes=headroom, headroom_left_bytes=left,
     )
 
 
-def _fitting_tp(spec: ModelSpec, kv_cache_dtype: str, block_size: int, all_weights: int, requested: int, tp: int,
-                overheads_at: Callable[[int], Overheads]) -> int | None:
+def _fitting_tp(spec: ModelSpec, kv_cache_dtype: str, block_size: int, parts, layers: int, pp: int, requested: int,
+                tp: int, overheads_at: Callable[[int], Overheads], unq: str) -> int | None:
     """The smallest tensor-parallel size above ``tp`` whose ranks split the heads and leave a KV
     pool of at least one block, with ``overheads_at(size)`` as the overhead there; ``None`` when
     none does."""
@@ -230,10 +373,11 @@ def _fitting_tp(spec: ModelSpec, kv_cache_dtype: str, block_size: int, all_weigh
         if size <= tp:
             continue
         try:
-            kvb = kv_bytes(spec, kv_cache_dtype, tensor_parallel_size=size)
+            kvb = kv_bytes(spec, kv_cache_dtype, tensor_parallel_size=size, pipeline_parallel_size=pp, model_dtype=unq)
         except KVLedgerError:  # the heads do not split over this many ranks
             continue
-        pool = requested - math.ceil(all_weights / size) - overheads_at(size).total
+        weights = parts.per_rank(spec.num_layers, layers, size, first_stage=pp == 1, last_stage=True)
+        pool = requested - weights - overheads_at(size).total
         if kvb.num_blocks(pool, block_size) > 0:
             return size
     return None
@@ -255,13 +399,23 @@ def sequence_blocks(spec: ModelSpec, wall: MemoryWall, tokens: int) -> int:
     """Blocks one sequence of ``tokens`` tokens occupies in the pool.
 
     A full-attention model takes ``ceil(tokens / block_size)`` blocks. A model with
-    sliding-window layers caches only the window in those layers, so its sequence costs
-    fewer bytes; the equivalent count of whole blocks is used."""
-    padded = math.ceil(tokens / wall.block_size) * wall.block_size
-    if not wall.num_sliding_layers or not wall.sliding_window or tokens <= wall.sliding_window:
-        return padded // wall.block_size
-    kvb = kv_bytes(spec, wall.kv_cache_dtype, tokens=padded, tensor_parallel_size=wall.tensor_parallel_size)
-    return math.ceil(kvb.slot_bytes / wall.block_bytes)
+    sliding-window layers pages as vLLM's hybrid allocator does: a block of the pool is one
+    page for each of its layer groups (``kv_bytes``: ``page_layers`` layers in groups of
+    ``g``); the full groups take a page per ``block_size`` tokens, the sliding groups at most
+    ``ceil(window / block_size) + 1`` (a window need not start at a block's edge). The pages
+    are counted back in whole blocks."""
+    pages = math.ceil(tokens / wall.block_size)
+    if not wall.num_sliding_layers or not wall.sliding_window:
+        return pages
+    kvb = kv_bytes(spec, wall.kv_cache_dtype, tensor_parallel_size=wall.tensor_parallel_size,
+                   pipeline_parallel_size=wall.pipeline_parallel_size, model_dtype=wall.dtype)
+    num_full = kvb.num_layers - kvb.num_sliding_layers
+    window_pages = min(pages, math.ceil(wall.sliding_window / wall.block_size) + 1)
+    if not num_full:  # every layer slides: one kind of page
+        return window_pages
+    group = min(num_full, kvb.num_sliding_layers)
+    full_groups, sliding_groups = math.ceil(num_full / group), math.ceil(kvb.num_sliding_layers / group)
+    return math.ceil((full_groups * pages + sliding_groups * window_pages) / (full_groups + sliding_groups))
 
 
 def users_at(spec: ModelSpec, wall: MemoryWall, tokens: int, shared_prefix: int = 0) -> int:
@@ -280,8 +434,8 @@ def max_fitting_length(spec: ModelSpec, wall: MemoryWall) -> int | None:
     token, so without a context limit the pool bounds it; ``None`` when nothing does (every layer
     slides, the config names no context, and one window fits)."""
     limits = [spec.max_position_embeddings] if spec.max_position_embeddings else []
-    if spec.num_full_layers:
-        limits.append(wall.kv_tokens * spec.num_layers // spec.num_full_layers)
+    if spec.num_full_layers:  # the full layers' pages alone bound it (hybrid pages: at most 2 L of them)
+        limits.append(wall.kv_tokens * 2 * spec.num_layers // spec.num_full_layers)
     hi = min(limits) if limits else spec.sliding_window
     if not limits and sequence_blocks(spec, wall, hi) <= wall.num_blocks:
         return None
@@ -322,3 +476,62 @@ def useful_work(users: int) -> str:
     if users >= 32:
         return "yes"
     return "marginal" if users >= 8 else "no"
+
+
+# ---------------------------------------------------------------------------- the verdict
+@dataclass(frozen=True)
+class Verdict:
+    """``fits``, ``tight`` or ``does not fit``, the term most likely to break it, and what buys room."""
+
+    verdict: str
+    term: str | None
+    reason: str
+    advice: str
+
+
+def verdict(spec: ModelSpec, wall: MemoryWall, max_model_len: int | None = None, users: int | None = None,
+            context: int | None = None) -> Verdict:
+    """Whether the plan starts and holds its load, with the estimate's spread taken into account.
+
+    "does not fit": the pool cannot hold one ``max_model_len`` sequence (or the ``users`` x
+    ``context`` load). "tight": it holds it by less than ``TOKEN_SPREAD`` of the pool (the
+    validation table's worst error), or the memory outside the pool leaves less than
+    ``HEADROOM_MARGIN_BYTES``: vLLM may then refuse, or run out of memory after sizing the pool.
+    "fits" otherwise. The advice says what a higher ``--gpu-memory-utilization`` or a lower
+    ``--max-model-len`` (or fewer ``--max-num-seqs``) would buy.
+    """
+    need = 0
+    what = ""
+    if users and context:
+        need, what = users * sequence_blocks(spec, wall, context), f"{users} x {context:,}-token users"
+    if max_model_len:
+        one = sequence_blocks(spec, wall, max_model_len)
+        if one > need:
+            need, what = one, f"one {max_model_len:,}-token sequence (--max-model-len)"
+    per_point = int(wall.total_bytes * 0.01) // wall.block_bytes * wall.block_size  # tokens per +0.01 utilization
+    if need > wall.num_blocks:
+        return Verdict("does not fit", "KV pool", f"the pool holds {wall.kv_tokens:,} tokens, {what} needs "
+                       f"{need * wall.block_size:,}", "raise --gpu-memory-utilization, lower --max-model-len or the load")
+    margin = int(wall.num_blocks * (1 - TOKEN_SPREAD))
+    if need and need > margin:
+        return Verdict("tight", "KV pool",
+                       f"the pool holds {what} with {(wall.num_blocks - need) * wall.block_size:,} tokens to spare, "
+                       f"less than the estimate's {TOKEN_SPREAD:.0%} spread ({wall.kv_tokens - margin * wall.block_size:,} tokens)",
+                       f"each +0.01 of --gpu-memory-utilization adds about {per_point:,} tokens; "
+                       f"--max-model-len {margin * wall.block_size:,} fits with the margin")
+    if wall.headroom_left_bytes < HEADROOM_MARGIN_BYTES:
+        outside = {"CUDA graphs": wall.cuda_graph_bytes, "the sampler warm-up": wall.sampler_warmup_bytes,
+                   "the communicators": wall.comm_init_bytes}
+        term = max(outside, key=lambda k: outside[k])
+        short = HEADROOM_MARGIN_BYTES - wall.headroom_left_bytes
+        lower = math.floor((wall.requested_bytes - short) / wall.total_bytes * 100) / 100
+        return Verdict("tight", term,
+                       f"outside the pool {wall.headroom_bytes / GiB:.2f} GiB must hold the CUDA context, "
+                       f"{wall.comm_init_bytes / GiB:.2f} GiB of communicators, {wall.cuda_graph_bytes / GiB:.2f} GiB "
+                       f"of CUDA graphs and the sampler's {wall.sampler_warmup_bytes / GiB:.2f} GiB warm-up; "
+                       f"{wall.headroom_left_bytes / GiB:.2f} GiB is left, less than the "
+                       f"{HEADROOM_MARGIN_BYTES / GiB:.1f} GiB these estimates can miss by",
+                       f"--gpu-memory-utilization {lower:.2f} leaves the margin (about {short // wall.block_bytes * wall.block_size:,} "
+                       f"fewer KV tokens), or lower --max-num-seqs (now {wall.max_num_seqs:,}) to shrink the warm-up")
+    return Verdict("fits", None, f"the pool holds {what or 'the load'} with room to spare" if what else
+                   "the pool is sized and the headroom holds what vLLM needs outside it", "")

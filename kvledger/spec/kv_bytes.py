@@ -11,21 +11,31 @@ Extensions the chapter's formula needs on real models, each keeping the seven te
   ``total_bytes`` are per rank; ``*_all_ranks`` sum over ranks. TP must divide the attention
   heads, and the KV heads must split evenly (``H_kv % TP == 0``) or replicate evenly
   (``TP % H_kv == 0``), as vLLM requires.
-* **8-bit caches** store a scale beside the elements: ``scale_bytes_per_token`` is kept apart
-  so that ``bytes_per_token`` stays Eq 2.2 exactly.
+* **Pipeline parallelism**: a stage holds its own layers; the numbers are the last stage's
+  (``L // PP`` layers: vLLM gives the remainder to the earlier stages).
+* **Quantized caches** store scales beside the elements (``spec.dtypes`` gives each layout):
+  ``scale_bytes_per_token`` is kept apart so that ``bytes_per_token`` stays Eq 2.2 exactly.
+* **vLLM's pool pages for hybrid models**: with sliding and full layers, vLLM's hybrid
+  allocator groups layers ``g`` at a time, ``g`` the smallest count of any attention type, and
+  pads each type to whole groups; a block of the pool then holds ``page_layers`` layers' worth
+  of one token (Gemma-3-27B: 10 full + 52 sliding layers page as 7 groups of 10 = 70). vLLM's
+  "GPU KV cache size" counts tokens at that cost, so ``token_bytes`` (what the pool is cut
+  by) does too; ``bytes_per_token`` stays Eq 2.2 over the real layers.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvledger.errors import KVLedgerError
-from kvledger.spec.dtypes import KV_CACHE_DTYPE_BYTES, resolve_kv_cache_dtype
+from kvledger.spec.dtypes import (KV_CACHE_DTYPE_BYTES, PER_LAYER_SCALE_DTYPES, PER_TOKEN_SCALE_BYTES,
+                                  resolve_kv_cache_dtype)
 from kvledger.spec.model_spec import ModelSpec
 
-# Bytes of one scale: int8 keeps a float16 scale per token, per KV head, for K and for V
-# (3% on top of 64-wide heads); fp8 keeps one float32 k_scale and v_scale per layer.
-INT8_SCALE_BYTES = 2
+# Bytes of one scale: fp8 keeps one float32 k_scale and v_scale per layer (per-token scales:
+# ``PER_TOKEN_SCALE_BYTES``).
+INT8_SCALE_BYTES = PER_TOKEN_SCALE_BYTES["int8"]
 FP8_SCALE_BYTES = 4
 
 
@@ -64,11 +74,16 @@ class KVBytes:
     """Per rank: bytes of scales that do not grow with tokens (fp8's per-layer k_scale/v_scale)."""
     total_scale_bytes: int = 0
     """Per rank: every scale byte for ``B`` sequences of ``T`` tokens (per-token and fixed)."""
+    page_layers: int = 0
+    """Layers one token of vLLM's pool pays for: ``L``, or more for a hybrid model (see the module)."""
+    pipeline_parallel_size: int = 1
 
     @property
     def token_bytes(self) -> int:
-        """What one cached token costs on one rank: Eq 2.2's elements plus their scales."""
-        return self.bytes_per_token + self.scale_bytes_per_token
+        """What one token of the pool costs on one rank: Eq 2.2's elements plus their scales,
+        over ``page_layers`` layers (equal to ``L`` but for hybrid sliding/full models)."""
+        per_layer = (self.bytes_per_token + self.scale_bytes_per_token) // self.num_layers
+        return per_layer * (self.page_layers or self.num_layers)
 
     def num_blocks(self, pool_bytes: int, block_size: int) -> int:
         """Blocks of ``block_size`` tokens that a pool of ``pool_bytes`` holds, scales included.
@@ -107,41 +122,53 @@ def kv_bytes(
     tokens: int = 1,
     batch: int = 1,
     tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    model_dtype: str | None = None,
 ) -> KVBytes:
-    """Evaluate Eq 2.2 for ``batch`` sequences of ``tokens`` cached tokens each."""
-    for value, what in ((tokens, "tokens"), (batch, "batch"), (tensor_parallel_size, "tensor-parallel-size")):
+    """Evaluate Eq 2.2 for ``batch`` sequences of ``tokens`` cached tokens each, on one rank of
+    the last pipeline stage. ``model_dtype`` (vLLM's ``--dtype``) is what ``auto`` resolves to
+    (default: the config's ``torch_dtype``)."""
+    for value, what in ((tokens, "tokens"), (batch, "batch"), (tensor_parallel_size, "tensor-parallel-size"),
+                        (pipeline_parallel_size, "pipeline-parallel-size")):
         if not isinstance(value, int) or value <= 0:
             raise KVLedgerError(f"{what} must be a positive integer, got {value!r}")
-    dtype = resolve_kv_cache_dtype(kv_cache_dtype, spec.torch_dtype)
+    if pipeline_parallel_size > spec.num_layers:
+        raise KVLedgerError(f"pipeline-parallel-size {pipeline_parallel_size} exceeds the {spec.num_layers} layers "
+                            f"of {spec.name}")
+    dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype or spec.torch_dtype)
     s = KV_CACHE_DTYPE_BYTES[dtype]
     tp = tensor_parallel_size
     _check_tensor_parallel(spec, tp)
+    layer_types = spec.layer_types[-(spec.num_layers // pipeline_parallel_size):]
+    num_layers = len(layer_types)
+    num_sliding = sum(1 for t in layer_types if t != "full_attention")
+    num_full = num_layers - num_sliding
     if spec.is_mla:
         factor, heads, width = 1, 1, spec.kv_lora_rank + spec.qk_rope_head_dim  # replicated per rank
     else:
         factor, heads, width = 2, max(1, spec.num_kv_heads // tp), spec.head_dim
     per_layer_token = factor * heads * width * s
-    per_token = spec.num_layers * per_layer_token
+    per_token = num_layers * per_layer_token
     window = spec.sliding_window
     sliding_tokens = min(tokens, window) if window else tokens
-    total = per_layer_token * batch * (spec.num_full_layers * tokens + spec.num_sliding_layers * sliding_tokens)
-    scale = _scale_bytes_per_token(dtype, factor, heads, spec.num_layers)
-    fixed = 2 * spec.num_layers * FP8_SCALE_BYTES if dtype.startswith("fp8") else 0
-    layer_token_slots = batch * (spec.num_full_layers * tokens + spec.num_sliding_layers * sliding_tokens)
-    total_scales = scale // spec.num_layers * layer_token_slots + fixed
+    total = per_layer_token * batch * (num_full * tokens + num_sliding * sliding_tokens)
+    scale = _scale_bytes_per_token(dtype, factor, heads, num_layers)
+    fixed = 2 * num_layers * FP8_SCALE_BYTES if dtype in PER_LAYER_SCALE_DTYPES else 0
+    layer_token_slots = batch * (num_full * tokens + num_sliding * sliding_tokens)
+    total_scales = scale // num_layers * layer_token_slots + fixed
     return KVBytes(
         model=spec.name,
         kv_cache_dtype=dtype,
         kv_factor=factor,
-        num_layers=spec.num_layers,
+        num_layers=num_layers,
         batch=batch,
         tokens=tokens,
         kv_heads=heads,
         head_dim=width,
         element_bytes=s,
         tensor_parallel_size=tp,
-        num_sliding_layers=spec.num_sliding_layers,
-        sliding_window=window,
+        num_sliding_layers=num_sliding,
+        sliding_window=window if num_sliding else None,
         bytes_per_token=per_token,
         bytes_per_token_all_ranks=per_token * tp,
         total_bytes=total,
@@ -149,7 +176,18 @@ def kv_bytes(
         scale_bytes_per_token=scale,
         scale_bytes_fixed=fixed,
         total_scale_bytes=total_scales,
+        page_layers=vllm_page_layers(num_full, num_sliding),
+        pipeline_parallel_size=pipeline_parallel_size,
     )
+
+
+def vllm_page_layers(num_full: int, num_sliding: int) -> int:
+    """Layers vLLM's pool pays for per token: ``L`` for a uniform model; for a hybrid one, each
+    attention type padded to whole groups of ``g = min(num_full, num_sliding)`` layers."""
+    if not num_full or not num_sliding:
+        return num_full + num_sliding
+    group = min(num_full, num_sliding)
+    return group * (math.ceil(num_full / group) + math.ceil(num_sliding / group))
 
 
 def _splits(spec: ModelSpec, tp: int) -> bool:
@@ -173,8 +211,7 @@ def _check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
 
 
 def _scale_bytes_per_token(dtype: str, kv_factor: int, kv_heads: int, num_layers: int) -> int:
-    """int8 keeps a float16 scale per token, per KV head, for K and V in every layer; fp8 keeps
-    one K and one V scale per layer (``scale_bytes_fixed``), so it costs 0 per token."""
-    if dtype == "int8":
-        return kv_factor * kv_heads * num_layers * INT8_SCALE_BYTES
-    return 0
+    """Per-token-head caches keep a scale per token, per KV head, for K and V in every layer
+    (``PER_TOKEN_SCALE_BYTES``); fp8 keeps one K and one V scale per layer
+    (``scale_bytes_fixed``), so it costs 0 per token."""
+    return kv_factor * kv_heads * num_layers * PER_TOKEN_SCALE_BYTES.get(dtype, 0)

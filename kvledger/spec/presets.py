@@ -28,6 +28,14 @@ ALIASES: dict[str, str] = {
 
 
 @lru_cache(maxsize=1)
+def hub_ids() -> dict[str, Path]:
+    """Hugging Face id (``org/name``, lower-cased) -> bundled directory: each directory is
+    named ``org--name`` after the model it was copied from."""
+    return {d.name.replace("--", "/", 1).lower(): d for d in sorted(CONFIG_DIR.iterdir())
+            if "--" in d.name and (d / "config.json").exists()}
+
+
+@lru_cache(maxsize=1)
 def presets() -> dict[str, Path]:
     """Preset name -> directory holding its ``config.json``."""
     table = {d.name.split("--", 1)[-1].lower(): d for d in sorted(CONFIG_DIR.iterdir()) if (d / "config.json").exists()}
@@ -45,8 +53,19 @@ def load_model_spec(model: str | Path | dict[str, Any]) -> ModelSpec:
     if text.lower() in table:
         return ModelSpec.from_path(table[text.lower()], name=text.lower())
     path = Path(text).expanduser()
+    if not path.exists() and text.lower() in hub_ids():  # a Hugging Face id with a bundled config
+        return ModelSpec.from_path(hub_ids()[text.lower()], name=text)
     if path.exists() or "/" in text or text.endswith(".json"):
-        return ModelSpec.from_path(path)
+        return ModelSpec.from_path(path, name=_path_name(path))
     close = difflib.get_close_matches(text.lower(), list(table), n=4, cutoff=0.5)
     hint = f"did you mean {', '.join(close)}?" if close else "run 'kvledger kv-bytes --list' for the presets"
-    raise ConfigError(f"unknown model {text!r}: not a preset, a config.json or a model directory; {hint}")
+    raise ConfigError(f"unknown model {text!r}: not a preset, a bundled Hugging Face id, a config.json or a model "
+                      f"directory; {hint}")
+
+
+def _path_name(path: Path) -> str:
+    """The model's name for a path: the directory holding ``config.json`` (resolved, so that
+    ``.`` and a bare ``config.json`` name the directory they are in)."""
+    resolved = path.resolve()
+    directory = resolved if resolved.is_dir() else resolved.parent
+    return directory.name or str(directory)

@@ -1,12 +1,32 @@
-"""Weight bytes of a model: the published checkpoint size when known, else a parameter count.
+"""Weight bytes of a model, as vLLM loads them: from the config, the checkpoint's quantization,
+vLLM's ``--dtype`` and its runtime ``--quantization``.
 
-The count follows the architecture's tensors (embeddings, attention projections, MLP or
-experts, norms, biases). MoE experts all count: every expert's weights are resident even
-though a token uses only a few. Sizes are in parameters (counts) or bytes as named.
+The parameter count follows the architecture's tensors (embeddings, attention projections,
+MLP or experts, norms, biases); MoE experts all count: every expert is resident though a token
+uses only a few. Each part is then sized as vLLM stores it:
+
+* unquantized parts at the model dtype: ``--dtype`` if given (``float32`` doubles a bf16
+  checkpoint), else the config's ``torch_dtype``;
+* ``quantization_config`` of the checkpoint: ``fp8`` (linear layers 1 byte, block scales),
+  ``mxfp4`` (experts at 4.25 bits: 4-bit values plus one 8-bit scale per 32), ``awq`` /
+  ``gptq`` (``bits`` per weight plus a float16 scale and a packed zero per group),
+  ``compressed-tensors`` (each config group's ``num_bits``; ``ignore`` modules, typically
+  ``lm_head``, stay unquantized). Embeddings and norms are never quantized;
+* vLLM's runtime ``--quantization fp8`` casts every linear layer of an unquantized checkpoint
+  to 1 byte (one float32 scale per output channel); embeddings, ``lm_head`` and norms stay in
+  the model dtype.
+
+When the checkpoint's ``model.safetensors.index.json`` is shipped, its ``total_size`` (the
+tensor bytes) is the truth for the checkpoint as stored; every part is scaled by
+``total_size / computed`` so the split across ranks and stages keeps that total. Where vLLM
+holds more than the checkpoint (mxfp4 experts re-laid out for its kernels on Hopper: the
+validation table shows +6% for gpt-oss-20b), this count is the checkpoint's and the gap is
+reported, not hidden. Sizes are parameters (counts) or bytes as named.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvledger.errors import KVLedgerError
@@ -15,29 +35,47 @@ from kvledger.spec.model_spec import ModelSpec
 WEIGHT_DTYPE_BYTES: dict[str, float] = {
     "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1, "int4": 0.5, "mxfp4": 4.25 / 8,
 }
+"""``--weights-dtype``: every parameter at this size (a what-if, not a checkpoint)."""
+MODEL_DTYPES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""vLLM's ``--dtype`` values and their bytes per element (``auto`` is the config's)."""
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+RUNTIME_QUANTIZATIONS: tuple[str, ...] = ("fp8",)
+"""vLLM ``--quantization`` methods that quantize an unquantized checkpoint at load time."""
+CHECKPOINT_QUANT_METHODS: tuple[str, ...] = ("fp8", "mxfp4", "awq", "gptq", "compressed-tensors")
+"""``quantization_config.quant_method`` values whose bytes are counted."""
 
 
 @dataclass(frozen=True)
 class ParamCount:
-    """Parameters by part; ``expert`` is the routed-expert share (quantized apart in some checkpoints)."""
+    """Parameters by part. ``embedding`` is the input table and ``lm_head`` the output
+    projection (0 when tied); ``expert`` is the routed-expert share (quantized apart in some
+    checkpoints); ``attention`` and ``mlp`` are the linear layers of all decoder layers."""
 
     embedding: int
+    lm_head: int
     attention: int
     mlp: int
     expert: int
     norm: int
+    vision: int = 0
+    """A multimodal checkpoint's vision tower and projector (no KV cache; resident on the first stage)."""
 
     @property
     def total(self) -> int:
-        return self.embedding + self.attention + self.mlp + self.expert + self.norm
+        return self.embedding + self.lm_head + self.attention + self.mlp + self.expert + self.norm + self.vision
+
+    @property
+    def linear(self) -> int:
+        """The decoder layers' linear weights: what weight quantization shrinks."""
+        return self.attention + self.mlp + self.expert
 
 
 def count_params(spec: ModelSpec) -> ParamCount:
-    """Parameter count of a decoder from its config (no multi-token-prediction heads)."""
+    """Parameter count of a decoder from its config (no multi-token-prediction heads), plus the
+    vision tower of a multimodal config (``vision_params``)."""
     c = spec.raw_config
     h, L, V = spec.hidden_size, spec.num_layers, spec.vocab_size
     H, Hkv, d = spec.num_attention_heads, spec.num_kv_heads, spec.head_dim
-    embedding = V * h * (1 if spec.tie_word_embeddings else 2)
     if spec.is_mla:
         attention = L * _mla_params(spec)
     else:
@@ -51,7 +89,23 @@ def count_params(spec: ModelSpec) -> ParamCount:
     norms_per_layer = 4 if spec.model_type.startswith("gemma") else 2
     norm = L * norms_per_layer * h + h
     mlp, expert = _mlp_params(spec)
-    return ParamCount(embedding=embedding, attention=attention, mlp=mlp, expert=expert, norm=norm)
+    return ParamCount(embedding=V * h, lm_head=0 if spec.tie_word_embeddings else V * h, attention=attention,
+                      mlp=mlp, expert=expert, norm=norm, vision=vision_params(spec))
+
+
+def vision_params(spec: ModelSpec) -> int:
+    """Parameters of a ViT vision tower described by ``vision_config`` (SigLIP-style: biased
+    attention and MLP, two layer norms per layer, a patch convolution, learned positions, a
+    final norm) and of the linear projector into the text model's width; 0 without one."""
+    v = spec.config.get("vision_config")
+    if not isinstance(v, dict) or not all(v.get(k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers")):
+        return 0
+    h, i, layers = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["num_hidden_layers"])
+    patch, image, channels = int(v.get("patch_size") or 14), int(v.get("image_size") or 224), int(v.get("num_channels") or 3)
+    per_layer = 4 * h * h + 4 * h + 2 * h * i + i + h + 4 * h
+    stem = channels * patch * patch * h + h + (image // patch) ** 2 * h + 2 * h
+    projector = h * spec.hidden_size + h
+    return layers * per_layer + stem + projector
 
 
 def _mla_params(spec: ModelSpec) -> int:
@@ -78,25 +132,163 @@ def _mlp_params(spec: ModelSpec) -> tuple[int, int]:
         experts = moe_layers * spec.num_experts * (gated * h * moe_i + 2 * moe_i + h)
     else:
         experts = moe_layers * spec.num_experts * gated * h * moe_i
-    shared = moe_layers * int(c.get("n_shared_experts") or 0) * gated * h * moe_i
+    shared_i = int(c.get("shared_expert_intermediate_size") or 0) or int(c.get("n_shared_experts") or 0) * moe_i
+    shared = moe_layers * gated * h * shared_i
     dense = dense_layers * gated * h * spec.intermediate_size
     return dense + shared + router, experts
 
 
-def weights_bytes(spec: ModelSpec, weights_dtype: str | None = None) -> int:
-    """Bytes of the weights. With no ``weights_dtype``: the published checkpoint size when
-    shipped, else the count at the checkpoint's dtype (fp8/mxfp4 checkpoints: their quantized
-    parts at their size). With ``weights_dtype``: every parameter at that size."""
-    if weights_dtype is None and spec.weights_bytes_published:
-        return spec.weights_bytes_published
+@dataclass(frozen=True)
+class WeightBytes:
+    """Bytes of the weights by where they live. ``layers`` is every decoder layer together
+    (split evenly over pipeline stages and tensor-parallel ranks); ``embedding`` sits on the
+    first stage, ``lm_head`` (a copy of the embedding when tied and split over stages) and the
+    final norm on the last. Bytes."""
+
+    embedding: int
+    lm_head: int
+    layers: int
+    final_norm: int
+    dtype: str
+    """The dtype of the unquantized parts."""
+    quantization: str | None
+    """What quantized the linear layers: the checkpoint's ``quant_method``, ``fp8`` at run time, or None."""
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.lm_head + self.layers + self.final_norm
+
+    def per_rank(self, num_layers: int, stage_layers: int, tensor_parallel_size: int = 1,
+                 first_stage: bool = True, last_stage: bool = True) -> int:
+        """Bytes on one rank of a stage holding ``stage_layers`` of ``num_layers`` layers. vLLM
+        shards the vocabulary of the embedding and of ``lm_head`` over TP ranks, as it does the
+        linear layers; norms are small and counted once per stage."""
+        part = self.layers * stage_layers / num_layers
+        if first_stage:
+            part += self.embedding
+        if last_stage:
+            part += self.lm_head + self.final_norm
+        return math.ceil(part / tensor_parallel_size)
+
+
+def model_dtype(spec: ModelSpec, dtype: str | None = None) -> str:
+    """vLLM's ``--dtype`` resolved: ``auto`` (or None) is the config's ``torch_dtype``."""
+    name = _DTYPE_ALIASES.get((dtype or "auto").lower(), (dtype or "auto").lower())
+    if name == "auto":
+        name = _DTYPE_ALIASES.get(spec.torch_dtype.lower(), spec.torch_dtype.lower())
+        return name if name in MODEL_DTYPES else "bfloat16"
+    if name not in MODEL_DTYPES:
+        raise KVLedgerError(f"unknown --dtype {dtype!r}; choose auto, {', '.join(MODEL_DTYPES)}")
+    return name
+
+
+def weight_bytes_breakdown(spec: ModelSpec, weights_dtype: str | None = None, *, dtype: str | None = None,
+                           quantization: str | None = None) -> WeightBytes:
+    """The weights of ``spec`` by part, sized as vLLM loads them (see the module docstring).
+    ``weights_dtype`` (a what-if) sizes every parameter alike and overrides the rest."""
     params = count_params(spec)
+    unq = model_dtype(spec, dtype)
+    s = MODEL_DTYPES[unq]
+    layer_norms = params.norm - spec.hidden_size
+    embedding = params.embedding + params.vision  # both on the first stage, never quantized here
     if weights_dtype is not None:
         if weights_dtype not in WEIGHT_DTYPE_BYTES:
             raise KVLedgerError(f"unknown weights dtype {weights_dtype!r}; choose one of {', '.join(WEIGHT_DTYPE_BYTES)}")
-        return int(params.total * WEIGHT_DTYPE_BYTES[weights_dtype])
-    base = WEIGHT_DTYPE_BYTES.get(spec.torch_dtype, 2)
-    if spec.quant_method == "fp8":  # block-quantized linear layers; embeddings and norms stay bf16
-        return int((params.embedding + params.norm) * base + (params.attention + params.mlp + params.expert) * 1)
-    if spec.quant_method == "mxfp4":  # experts in mxfp4, everything else bf16
-        return int((params.total - params.expert) * base + params.expert * WEIGHT_DTYPE_BYTES["mxfp4"])
-    return int(params.total * base)
+        w = WEIGHT_DTYPE_BYTES[weights_dtype]
+        return WeightBytes(embedding=int(embedding * w), lm_head=int(params.lm_head * w),
+                           layers=int((params.linear + layer_norms) * w), final_norm=int(spec.hidden_size * w),
+                           dtype=weights_dtype, quantization=None)
+    if quantization is not None and quantization not in RUNTIME_QUANTIZATIONS:
+        raise KVLedgerError(f"unknown --quantization {quantization!r}; the planner counts: {', '.join(RUNTIME_QUANTIZATIONS)}")
+    method = spec.quant_method
+    if quantization and method:
+        raise KVLedgerError(f"{spec.name} is already quantized ({method}); vLLM refuses --quantization {quantization} "
+                            "on a quantized checkpoint: drop the flag")
+    head_s = s
+    if quantization == "fp8":  # one float32 scale per output channel of each linear layer
+        linear = params.linear + 4 * _linear_rows(spec)
+        kind = "fp8"
+    elif method is None:
+        linear = params.linear * s
+        kind = None
+    else:
+        linear, head_quantized = _checkpoint_linear_bytes(spec, params, s)
+        kind = method
+        if head_quantized:
+            head_s = _quant_bits(spec) / 8
+    computed = WeightBytes(embedding=embedding * s, lm_head=int(params.lm_head * head_s),
+                           layers=int(linear + layer_norms * s), final_norm=spec.hidden_size * s,
+                           dtype=unq, quantization=kind)
+    published = spec.weights_bytes_published
+    if not published:
+        return computed
+    # The index's total_size is the checkpoint as stored: scale the count so the parts add up to
+    # it (at the checkpoint's own dtype), then to the dtype and quantization vLLM loads.
+    stored = weight_bytes_breakdown(spec, dtype=None) if (dtype or quantization) else computed
+    factor = published / stored.total
+    return WeightBytes(embedding=round(computed.embedding * factor), lm_head=round(computed.lm_head * factor),
+                       layers=round(computed.layers * factor), final_norm=round(computed.final_norm * factor),
+                       dtype=unq, quantization=kind)
+
+
+def _linear_rows(spec: ModelSpec) -> int:
+    """Output channels of the decoder layers' linear weights (rows of every matrix): the
+    number of per-channel scales a runtime fp8 cast keeps."""
+    params = count_params(spec)
+    return params.linear // spec.hidden_size
+
+
+def _quant_bits(spec: ModelSpec) -> float:
+    """Bits per quantized weight in the checkpoint's ``quantization_config``."""
+    q = _quant_config(spec)
+    if q.get("bits"):
+        return float(q["bits"])
+    for group in (q.get("config_groups") or {}).values():
+        weights = group.get("weights") or {}
+        if weights.get("num_bits"):
+            return float(weights["num_bits"])
+    return 8.0
+
+
+def _quant_config(spec: ModelSpec) -> dict:
+    q = spec.raw_config.get("quantization_config") or spec.config.get("quantization_config") or {}
+    return q if isinstance(q, dict) else {}
+
+
+def _checkpoint_linear_bytes(spec: ModelSpec, params: ParamCount, s: int) -> tuple[float, bool]:
+    """(bytes of the decoder's linear layers, whether ``lm_head`` is quantized too) for a
+    quantized checkpoint, by its ``quant_method``."""
+    method = spec.quant_method
+    q = _quant_config(spec)
+    if method == "fp8":  # block-quantized linear layers, float32 scales per 128 x 128 block
+        block = q.get("weight_block_size") or [128, 128]
+        return params.linear * (1 + 4 / (block[0] * block[1])), False
+    if method == "mxfp4":  # experts in mxfp4, everything else in the model dtype
+        return params.expert * WEIGHT_DTYPE_BYTES["mxfp4"] + (params.attention + params.mlp) * s, False
+    if method in ("awq", "gptq"):
+        bits = float(q.get("bits", 4))
+        group = int(q.get("group_size") or 128)
+        group = group if group > 0 else spec.hidden_size
+        per_group = 2 + bits / 8  # a float16 scale and a packed zero point per group
+        experts_too = 1 if spec.is_moe else 0
+        quantized = params.attention + params.mlp + experts_too * params.expert
+        rest = params.expert * (1 - experts_too) * s
+        return quantized * (bits / 8 + per_group / group) + rest, False
+    if method == "compressed-tensors":
+        bits = _quant_bits(spec)
+        group = None
+        for g in (q.get("config_groups") or {}).values():
+            w = g.get("weights") or {}
+            group = w.get("group_size") or group
+        scales = 2 / group if group else 4 / spec.hidden_size  # float16 per group, or float32 per channel
+        ignore = [str(x) for x in (q.get("ignore") or [])]
+        head_quantized = params.lm_head > 0 and not any("lm_head" in x for x in ignore)
+        return params.linear * (bits / 8 + scales), head_quantized
+    raise KVLedgerError(f"{spec.name}: quantization_config quant_method {method!r} is not counted; the planner "
+                        f"knows {', '.join(CHECKPOINT_QUANT_METHODS)}; give --weights-dtype for an estimate")
+
+
+def weights_bytes(spec: ModelSpec, weights_dtype: str | None = None, *, dtype: str | None = None,
+                  quantization: str | None = None) -> int:
+    """Bytes of all the weights (every rank together); see ``weight_bytes_breakdown``."""
+    return weight_bytes_breakdown(spec, weights_dtype, dtype=dtype, quantization=quantization).total

@@ -1,0 +1,63 @@
+"""The validation table: every vLLM start-up log of tests/data/vllm_startup_logs.json planned from
+scratch, each term and the token count against what vLLM printed.
+
+    .venv/bin/python bench/bench_validation.py [--markdown]
+
+No network, no GPU: the logs' numbers are in the data file (see its ``_about``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tabulate import tabulate
+
+from kvledger.planner.validation import TERMS, check_row, load_rows, summary
+
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "vllm_startup_logs.json"
+_SHORT = {"--gpu h100-80gb ": "", "--gpu-memory-utilization": "util", "--tensor-parallel-size": "tp",
+          "--pipeline-parallel-size": "pp", "--max-model-len": "len", "--kv-cache-dtype": "kv", "--quantization": "q",
+          "--dtype": "dtype"}
+
+
+def _flags(text: str) -> str:
+    for long, short in _SHORT.items():
+        text = text.replace(long, short)
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--markdown", action="store_true", help="print GitHub markdown (for BENCHMARKS.md)")
+    args = parser.parse_args()
+    fmt = "github" if args.markdown else "simple"
+    checks = [check_row(row) for row in load_rows(DATA)]
+    rows = []
+    for c in checks:
+        if not c.usable:
+            continue
+        terms = [f"{c.predicted[t]:.2f} / {c.measured[t]:.2f}" if c.predicted and c.measured.get(t) is not None else "-"
+                 for t in TERMS]
+        err = f"{c.token_error:+.2%}" if c.token_error is not None else "-"
+        tokens = f"{c.tokens_predicted:,} / {c.tokens_measured:,}" if c.tokens_predicted and c.tokens_measured else "-"
+        outcome = "started" if c.started else f"failed: {c.failure}"
+        rows.append((c.model, _flags(c.flags), outcome, c.verdict + (f" ({c.verdict_term})" if c.verdict_term else ""),
+                     *terms, tokens, err))
+    print(tabulate(rows, headers=["model", "flags", "vLLM", "planner", "weights GiB", "activation GiB",
+                                  "non-torch GiB", "KV pool GiB", "KV tokens (plan / vLLM)", "token error"],
+                   tablefmt=fmt, disable_numparse=True))
+    s = summary(checks)
+    print()
+    print(f"{s.usable} usable runs of {s.rows} logs ({s.started} started, {s.failed} failed): "
+          f"{s.within} of {s.started} started runs within 3% on tokens ({s.within_share:.0%}), worst "
+          f"{s.worst_token_error:.2%}, mean |error| {s.mean_abs_token_error:.2%}; {s.failed_predicted} of {s.failed} "
+          f"failed runs predicted 'tight' or 'does not fit'; {s.started_refused} started runs predicted 'does not fit'; "
+          f"{s.tight_started} started runs 'tight'. Bar met: {'yes' if s.passes else 'NO'}")
+    left = [(c.model, _flags(c.flags), c.reason) for c in checks if not c.usable]
+    print()
+    print(tabulate(left, headers=["left out", "flags", "why"], tablefmt=fmt, disable_numparse=True))
+
+
+if __name__ == "__main__":
+    main()
