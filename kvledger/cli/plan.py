@@ -107,22 +107,29 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     from kvledger.errors import KVLedgerError
     from kvledger.planner import bandwidth as bw
     from kvledger.planner.memory_wall import (CONTEXTS, check_max_model_len, max_fitting_length, plan_memory,
-                                              sequence_blocks, useful_work, users_at)
+                                              sequence_blocks, useful_work, users_at, verdict)
 
-    if (args.users is None) != (args.context is None):
-        raise KVLedgerError("--users and --context go together: give both for the bandwidth model")
+    if args.users is not None and args.context is None:
+        args.context = CROSSOVER_CONTEXT  # the default --help promises
+    if args.context is not None and args.users is None:
+        raise KVLedgerError("--context needs --users: the bandwidth model is for N users of T tokens each")
     spec, gpu = resolve(args)
+    check_context(spec, args.context, "--context")
     wall = plan_memory(spec, gpu, **memory_kwargs(args))
     if args.max_model_len:
         error = check_max_model_len(spec, wall, args.max_model_len)
         if error:
             raise KVLedgerError(error)
-    contexts = list(CONTEXTS) + ([args.max_model_len] if args.max_model_len and args.max_model_len not in CONTEXTS else [])
+    ceiling = args.max_model_len or spec.max_position_embeddings
+    contexts = [t for t in CONTEXTS if not ceiling or t <= ceiling]
+    contexts += [args.max_model_len] if args.max_model_len and args.max_model_len not in contexts else []
+    if not contexts:
+        contexts = [ceiling]
     users = {str(t): users_at(spec, wall, t) for t in contexts}
     bandwidth = bw.effective_bandwidth(gpu, args.bandwidth, args.bandwidth_efficiency)
     conversation = args.context or CROSSOVER_CONTEXT
     token_bytes = bw.live_token_bytes(spec, wall.kv_cache_dtype, conversation, wall.tensor_parallel_size)
-    crossover = bw.crossover_tokens(wall.weights_bytes, token_bytes)
+    crossover = bw.crossover_for(wall, token_bytes, conversation)
     out: dict[str, Any] = {
         "model": spec.name, "gpu": gpu.name, "gpu_full_name": gpu.full_name, "compute_capability": gpu.compute_capability,
         "gpu_memory_given": args.gpu_memory is not None,
@@ -135,7 +142,10 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         "crossover_context": conversation,
         "crossover_conversations": crossover / conversation,
         "max_fitting_length": max_fitting_length(spec, wall),
+        "weight_bytes_read_per_step": bw.weight_bytes_read_per_step(wall, args.users or 1),
+        "weight_bytes_read_batch": args.users or 1,
         "notes": list(spec.notes),
+        "warnings": list(wall.warnings),
     }
     model_max = spec.max_position_embeddings
     if not args.max_model_len and model_max and users_at(spec, wall, model_max) == 0:
@@ -148,14 +158,26 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         out["max_concurrency"] = wall.num_blocks / sequence_blocks(spec, wall, max_len)
     if args.users:
         kv = bw.kv_read_bytes(spec, wall.kv_cache_dtype, args.users, args.context, wall.tensor_parallel_size)
-        step = bw.decode_step(wall.weights_bytes, kv, args.users, args.context, bandwidth)
+        step = bw.decode_step(bw.weight_bytes_read_per_step(wall, args.users), kv, args.users, args.context, bandwidth)
         out.update({k: v for k, v in asdict(step).items() if k not in ("users", "context")})
         out.update(users=args.users, context=args.context,
                    load_fits=args.users <= users_at(spec, wall, args.context))
     if args.workload:
         out["workload"] = workload_report(args, spec, gpu, wall, bandwidth)
+    v = verdict(spec, wall, max_model_len=args.max_model_len, users=args.users, context=args.context)
+    out.update(verdict=v.verdict, verdict_term=v.term, verdict_reason=v.reason, verdict_advice=v.advice)
     out["_"] = (spec, gpu, wall)
     return out
+
+
+def check_context(spec, tokens: int | None, flag: str) -> None:
+    """A one-line error for a per-sequence length above the model's context."""
+    from kvledger.errors import KVLedgerError
+
+    model_max = spec.max_position_embeddings
+    if tokens is not None and model_max and tokens > model_max:
+        raise KVLedgerError(f"{flag} {tokens:,} is greater than the model's context, max_position_embeddings = "
+                            f"{model_max:,} in {spec.name}'s config; lower {flag}")
 
 
 def workload_report(args: argparse.Namespace, spec, gpu, wall, bandwidth: float) -> dict[str, Any]:
@@ -169,7 +191,8 @@ def workload_report(args: argparse.Namespace, spec, gpu, wall, bandwidth: float)
     trace = read_trace(args.workload)
     context = max(1, round(wl.mean_live_tokens(trace)))
     token_bytes = bw.live_token_bytes(spec, wall.kv_cache_dtype, context, wall.tensor_parallel_size)
-    rep = wl.replay(trace, lambda live: bw.step_time(wall.weights_bytes, live, token_bytes, bandwidth),
+    rep = wl.replay(trace, lambda live: bw.step_time(bw.weight_bytes_read_per_step(wall, max(1, round(live / context))),
+                                                     live, token_bytes, bandwidth),
                     bw.prefill_seconds_per_token(spec, gpu, wall.tensor_parallel_size))
     stats = rep.stats(wall.kv_tokens) if rep else None
     out = {
@@ -195,7 +218,21 @@ def _strip(obj: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
+    if args.gpu.strip().lower() == "list":
+        from kvledger.planner.gpus import list_catalog
+
+        print(list_catalog())
+        return 0
+    if not args.model:
+        from kvledger.errors import KVLedgerError
+
+        raise KVLedgerError("give a MODEL: a preset (kvledger kv-bytes --list), a Hugging Face id, a config.json or a "
+                            "model directory")
     plan = compute(args)
+    for warning in plan["warnings"]:
+        print(f"kvledger plan: warning: {warning}", file=sys.stderr)
     if args.plot:
         from kvledger.planner.plot import plot_plan
 
@@ -239,9 +276,17 @@ def print_plan(plan: dict[str, Any]) -> None:
             rows.append(("- overhead (--overhead)", f"{wall.overhead_bytes:,}", _gib(wall.overhead_bytes)))
         else:
             rows += [("- activation peak (profiling pass)", f"{wall.activation_bytes:,}", _gib(wall.activation_bytes)),
-                     ("- non-torch memory", f"{wall.non_torch_bytes:,}", _gib(wall.non_torch_bytes)),
-                     ("- CUDA graphs", f"{wall.cuda_graph_bytes:,}", _gib(wall.cuda_graph_bytes))]
+                     ("- non-torch memory", f"{wall.non_torch_bytes:,}", _gib(wall.non_torch_bytes))]
         rows.append(("= KV cache pool", f"{wall.kv_pool_bytes:,}", _gib(wall.kv_pool_bytes)))
+    if not wall.overhead_given:
+        rows += [(f"outside the pool: 1 - {wall.gpu_memory_utilization}", f"{wall.headroom_bytes:,}",
+                  _gib(wall.headroom_bytes)),
+                 ("- CUDA context" + (" and communicators" if wall.comm_init_bytes else ""),
+                  f"{wall.cuda_context_bytes + wall.comm_init_bytes:,}", _gib(wall.cuda_context_bytes + wall.comm_init_bytes)),
+                 ("- CUDA graphs (captured after the pool)", f"{wall.cuda_graph_bytes:,}", _gib(wall.cuda_graph_bytes)),
+                 (f"- sampler warm-up ({wall.max_num_seqs:,} requests)", f"{wall.sampler_warmup_bytes:,}",
+                  _gib(wall.sampler_warmup_bytes)),
+                 ("= left", f"{wall.headroom_left_bytes:,}", _gib(wall.headroom_left_bytes))]
     print(tabulate(rows, headers=["memory wall", "bytes", "GiB"], colalign=("left", "right", "right"), disable_numparse=True))
     print()
     rows = [(f"bytes per token (Eq 2.2, {wall.kv_cache_dtype})", f"{wall.bytes_per_token:,}",
@@ -264,7 +309,8 @@ def print_plan(plan: dict[str, Any]) -> None:
         print()
         print(f"bandwidth model: {plan['users']} users x {plan['context']:,} tokens at "
               f"{format_rate(plan['bandwidth_bytes_per_s'])}" + ("" if plan["load_fits"] else "  (does NOT fit the pool)"))
-        rows = [("weights read per step", _gib(plan["weights_bytes_per_step"]) + " GiB"),
+        rows = [("weights read per step" + (" (touched experts only)" if wall.num_experts else ""),
+                 _gib(plan["weights_bytes_per_step"]) + " GiB"),
                 ("KV read per step", _gib(plan["kv_bytes_per_step"]) + " GiB"),
                 ("total per step", _gib(plan["total_bytes_per_step"]) + " GiB"),
                 ("step time", f"{plan['step_time_s'] * 1e3:.1f} ms"),
@@ -274,6 +320,11 @@ def print_plan(plan: dict[str, Any]) -> None:
         print(tabulate(rows, colalign=("left", "right")))
     if "workload" in plan:
         print_workload(plan["workload"], wall)
+    print()
+    print(f"verdict: {plan['verdict']}" + (f" ({plan['verdict_term']})" if plan["verdict_term"] else "")
+          + f": {plan['verdict_reason']}")
+    if plan["verdict_advice"]:
+        print(f"  {plan['verdict_advice']}")
     for note in plan["notes"]:
         print(f"note: {note}")
     if plan.get("plot"):

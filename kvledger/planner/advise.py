@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvledger.errors import KVLedgerError
-from kvledger.planner.bandwidth import decode_step, effective_bandwidth, kv_read_bytes
+from kvledger.planner.bandwidth import decode_step, effective_bandwidth, kv_read_bytes, weight_bytes_read_per_step
 from kvledger.planner.gpus import GPU
 from kvledger.planner.memory_wall import MemoryWall, plan_memory, users_at
 from kvledger.spec import ModelSpec
@@ -105,7 +105,7 @@ def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int,
 
     def step_ms(n: int) -> float:
         kv = kv_read_bytes(spec, wall.kv_cache_dtype, n, per_user, wall.tensor_parallel_size)
-        return 1e3 * decode_step(wall.weights_bytes, kv, n, per_user, bw).step_time_s
+        return 1e3 * decode_step(weight_bytes_read_per_step(wall, n), kv, n, per_user, bw).step_time_s
 
     levers: list[Lever] = []
     duplicated = target_users * shared_prefix_tokens

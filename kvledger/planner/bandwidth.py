@@ -3,8 +3,18 @@
 A decode step reads the weights once (shared by the whole batch) and every sequence's own
 live KV cache. At a sustained bandwidth ``bw`` (bytes/s):
 
-    step_time = (weights + sum over sequences of KV bytes) / bw
+    step_time = (weights read + sum over sequences of KV bytes) / bw
     tokens/s  = batch / step_time          (one token per sequence per step)
+
+**Weights read** (``weight_bytes_read_per_step``) are the resident weights less what a step does
+not stream: a vision tower. The input embedding table is counted in full, as the chapter counts
+"all the weights once per step" (a step really gathers one row of it per sequence: for
+Llama-3.1-8B that overstates the read by 0.98 GiB of 14.96).
+For a MoE model, of each layer's ``E`` routed experts a batch of ``B`` sequences with top-``k``
+routing touches ``E x (1 - (1 - k/E)^B)`` distinct experts in expectation, **assuming uniform,
+independent routing** (real routers are skewed, which touches fewer); shared experts and the
+router are always read. gpt-oss-120b at batch 1 reads its attention, router, ``lm_head`` and 4
+experts per layer: about 5.7 GiB, not its 61 GiB of weights.
 
 KV traffic equals weight traffic at ``weights / bytes_per_token`` live tokens: the crossover.
 Below it, quantizing weights pays most; above it, the cache owns the bandwidth. A bound, not a
@@ -56,6 +66,23 @@ def effective_bandwidth(gpu: GPU, bandwidth: float | None = None,
     return float(bandwidth) if bandwidth is not None else gpu.bandwidth_bytes_per_s * efficiency
 
 
+def expected_experts(num_experts: int, top_k: int, batch: int) -> float:
+    """Distinct experts per layer that ``batch`` sequences touch under uniform, independent top-k
+    routing: ``E x (1 - (1 - k/E)^B)``."""
+    if not num_experts:
+        return 0.0
+    return num_experts * (1 - (1 - top_k / num_experts) ** max(batch, 0))
+
+
+def weight_bytes_read_per_step(wall, batch: int) -> int:
+    """Weight bytes one decode step of ``batch`` sequences streams on one rank (see the module)."""
+    streamed = wall.weights_bytes - wall.embedding_table_bytes
+    if not wall.num_experts or not wall.expert_bytes:
+        return streamed
+    touched = expected_experts(wall.num_experts, wall.experts_per_token, batch) / wall.num_experts
+    return int(streamed - wall.expert_bytes * (1 - touched))
+
+
 def kv_read_bytes(spec: ModelSpec, kv_cache_dtype: str, users: int, context: int, tensor_parallel_size: int = 1) -> int:
     """KV bytes one step reads on one rank: Eq 2.2 for ``users`` x ``context`` plus scales."""
     return kv_bytes(spec, kv_cache_dtype, tokens=context, batch=users, tensor_parallel_size=tensor_parallel_size).slot_bytes
@@ -89,6 +116,20 @@ def crossover_tokens(weights_bytes: int, token_bytes: float) -> int:
     """Live tokens at which a step's KV traffic equals its weight traffic (rounded up), each live
     token read at ``token_bytes`` (``live_token_bytes``)."""
     return math.ceil(weights_bytes / token_bytes)
+
+
+def crossover_for(wall, token_bytes: float, context: int) -> int:
+    """The crossover when the weights read depend on the batch (MoE): the live tokens ``T`` with
+    ``T x token_bytes = weight_bytes_read_per_step(T / context sequences)``, found by fixed-point
+    iteration from one sequence (the read grows with the batch, so it converges from below)."""
+    batch, tokens = 1, 0
+    for _ in range(64):
+        tokens = crossover_tokens(weight_bytes_read_per_step(wall, batch), token_bytes)
+        nxt = max(1, math.ceil(tokens / context))
+        if nxt == batch:
+            break
+        batch = nxt
+    return tokens
 
 
 PREFILL_EFFICIENCY = 0.5

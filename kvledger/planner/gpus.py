@@ -70,10 +70,23 @@ def get_gpu(name: str) -> GPU:
     raise KVLedgerError(f"unknown GPU {name!r}; {hint}")
 
 
-def check_kv_dtype_supported(gpu: GPU, kv_cache_dtype: str) -> None:
-    """Refuse an fp8 KV cache on a card without FP8 (below SM 8.9), pointing at int8."""
+def kv_dtype_warning(gpu: GPU, kv_cache_dtype: str) -> str | None:
+    """A warning for an fp8 KV cache on a card without FP8 in hardware (below SM 8.9), else None.
+    vLLM accepts it there (the attention kernels convert fp8 to the compute dtype), so the plan
+    stands; the chapter's advice is int8 on Ampere, which keeps per-token scales."""
     if kv_cache_dtype.startswith("fp8") and not gpu.fp8_kv:
-        raise KVLedgerError(
-            f"--kv-cache-dtype {kv_cache_dtype} needs SM 8.9 or newer (Ada, Hopper, Blackwell); {gpu.name} is {gpu.sm}, "
-            "where FP8 KV either refuses to run or silently emulates, which is worse; "
-            "do not put it in a capacity plan for this card: use --kv-cache-dtype int8 (the Ampere path)")
+        return (f"--kv-cache-dtype {kv_cache_dtype} on {gpu.name} ({gpu.sm}, below SM 8.9): vLLM accepts it and converts "
+                "fp8 in its kernels, so the capacity stands, but there is no FP8 hardware to speed it up; the chapter's "
+                "advice for Ampere is an int8 cache with per-token scales (--kv-cache-dtype int8_per_token_head in vLLM), "
+                "validated on long-context data")
+    return None
+
+
+def list_catalog() -> str:
+    """The catalog as a table: name, card, device-reported memory, bandwidth, SM, FP8."""
+    from tabulate import tabulate
+
+    rows = [(g.name, g.full_name, f"{g.memory_bytes / (1 << 30):.2f}", f"{g.bandwidth_bytes_per_s / 1e12:.2f}",
+             g.sm, "yes" if g.fp8_kv else "no") for g in gpus().values()]
+    return tabulate(rows, headers=["name", "card", "GiB (device)", "TB/s", "arch", "FP8"],
+                    colalign=("left", "left", "right", "right", "left", "left"), disable_numparse=True)

@@ -35,7 +35,7 @@ from functools import partial
 from typing import Callable
 
 from kvledger.errors import KVLedgerError
-from kvledger.planner.gpus import GPU, check_kv_dtype_supported
+from kvledger.planner.gpus import GPU, kv_dtype_warning
 from kvledger.spec import ModelSpec, kv_bytes
 from kvledger.spec.weights import model_dtype, weight_bytes_breakdown, MODEL_DTYPES
 from kvledger.units import GiB, MiB
@@ -269,6 +269,16 @@ class MemoryWall:
     """``total - requested``: where the CUDA context, communicators, graphs and warm-up must fit."""
     headroom_left_bytes: int = 0
     """What is left of ``headroom_bytes`` after those terms (negative: short)."""
+    expert_bytes: int = 0
+    """Per rank: the routed experts' share of ``weights_bytes`` (a decode step reads only the touched ones)."""
+    embedding_table_bytes: int = 0
+    """Per rank: what is resident but not streamed by a decode step: a vision tower. (The input
+    embedding table stays in the read, as the chapter counts it, though a step gathers only one
+    row of it per sequence.)"""
+    num_experts: int = 0
+    experts_per_token: int = 0
+    warnings: tuple[str, ...] = ()
+    """What the plan stands on but a user should know (fp8 on a card without FP8 hardware)."""
 
     @property
     def token_bytes(self) -> int:
@@ -318,7 +328,7 @@ def plan_memory(
     unq = model_dtype(spec, dtype)
     act_bytes = MODEL_DTYPES[unq]
     kvb = kv_bytes(spec, kv_cache_dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp, model_dtype=unq)
-    check_kv_dtype_supported(gpu, kvb.kv_cache_dtype)
+    warning = kv_dtype_warning(gpu, kvb.kv_cache_dtype)
     parts = weight_bytes_breakdown(spec, weights_dtype, dtype=dtype, quantization=quantization)
     all_weights = parts.total
     weights = parts.per_rank(spec.num_layers, layers, tp, first_stage=pp == 1, last_stage=True)
@@ -343,11 +353,15 @@ def plan_memory(
     if blocks == 0:
         raise KVLedgerError(f"the KV pool ({pool:,} bytes) holds not even one block of {block_size} tokens "
                             f"({block_size * kvb.token_bytes:,} bytes); give the cache more memory")
-    graphs = cuda_graph_bytes(spec, layers, seqs) if cuda_graph is None else cuda_graph
-    comm = COMM_INIT_BYTES if tp > 1 or pp > 1 else 0
-    warmup = sampler_warmup_bytes(spec, seqs)
     headroom = gpu.memory_bytes - (requested if kv_cache_memory is None else weights + terms.total + pool)
-    left = headroom - CUDA_CONTEXT_BYTES - comm - graphs - warmup
+    if overhead is not None:  # --overhead is the whole bill beside the weights (the chapter's assumption)
+        context = comm = graphs = warmup = 0
+    else:
+        context = CUDA_CONTEXT_BYTES
+        graphs = cuda_graph_bytes(spec, layers, seqs) if cuda_graph is None else cuda_graph
+        comm = COMM_INIT_BYTES if tp > 1 or pp > 1 else 0
+        warmup = sampler_warmup_bytes(spec, seqs)
+    left = headroom - context - comm - graphs - warmup
     return MemoryWall(
         model=spec.name, gpu=gpu.name, total_bytes=gpu.memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
         requested_bytes=requested, weights_bytes=weights, weights_bytes_all_ranks=all_weights,
@@ -359,8 +373,12 @@ def plan_memory(
         kv_tokens=blocks * block_size, tensor_parallel_size=tp, sliding_window=spec.sliding_window,
         num_sliding_layers=spec.num_sliding_layers, pipeline_parallel_size=pp, dtype=unq,
         quantization=parts.quantization, max_num_seqs=seqs, max_num_batched_tokens=batched,
-        cuda_graph_bytes=graphs, comm_init_bytes=comm, sampler_warmup_bytes=warmup,
+        cuda_graph_bytes=graphs, cuda_context_bytes=context, comm_init_bytes=comm, sampler_warmup_bytes=warmup,
         headroom_bytes=headroom, headroom_left_bytes=left,
+        expert_bytes=math.ceil(parts.experts * layers / spec.num_layers / tp),
+        embedding_table_bytes=math.ceil((parts.vision if pp == 1 else 0) / tp),
+        num_experts=spec.num_experts, experts_per_token=spec.num_experts_per_token,
+        warnings=(warning,) if warning else (),
     )
 
 
@@ -519,7 +537,7 @@ def verdict(spec: ModelSpec, wall: MemoryWall, max_model_len: int | None = None,
                        f"less than the estimate's {TOKEN_SPREAD:.0%} spread ({wall.kv_tokens - margin * wall.block_size:,} tokens)",
                        f"each +0.01 of --gpu-memory-utilization adds about {per_point:,} tokens; "
                        f"--max-model-len {margin * wall.block_size:,} fits with the margin")
-    if wall.headroom_left_bytes < HEADROOM_MARGIN_BYTES:
+    if wall.headroom_left_bytes < HEADROOM_MARGIN_BYTES and not wall.overhead_given:
         outside = {"CUDA graphs": wall.cuda_graph_bytes, "the sampler warm-up": wall.sampler_warmup_bytes,
                    "the communicators": wall.comm_init_bytes}
         term = max(outside, key=lambda k: outside[k])

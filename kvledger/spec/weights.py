@@ -153,6 +153,10 @@ class WeightBytes:
     """The dtype of the unquantized parts."""
     quantization: str | None
     """What quantized the linear layers: the checkpoint's ``quant_method``, ``fp8`` at run time, or None."""
+    experts: int = 0
+    """Bytes of the routed experts (part of ``layers``): what a decode step reads only in part."""
+    vision: int = 0
+    """Bytes of a vision tower (part of ``embedding``): not read by a text decode step."""
 
     @property
     def total(self) -> int:
@@ -197,7 +201,8 @@ def weight_bytes_breakdown(spec: ModelSpec, weights_dtype: str | None = None, *,
         w = WEIGHT_DTYPE_BYTES[weights_dtype]
         return WeightBytes(embedding=int(embedding * w), lm_head=int(params.lm_head * w),
                            layers=int((params.linear + layer_norms) * w), final_norm=int(spec.hidden_size * w),
-                           dtype=weights_dtype, quantization=None)
+                           dtype=weights_dtype, quantization=None, experts=int(params.expert * w),
+                           vision=int(params.vision * w))
     if quantization is not None and quantization not in RUNTIME_QUANTIZATIONS:
         raise KVLedgerError(f"unknown --quantization {quantization!r}; the planner counts: {', '.join(RUNTIME_QUANTIZATIONS)}")
     method = spec.quant_method
@@ -216,9 +221,14 @@ def weight_bytes_breakdown(spec: ModelSpec, weights_dtype: str | None = None, *,
         kind = method
         if head_quantized:
             head_s = _quant_bits(spec) / 8
+    expert_share = params.expert / params.linear if params.linear else 0.0
+    if method == "mxfp4":  # the experts alone are 4-bit
+        experts = params.expert * WEIGHT_DTYPE_BYTES["mxfp4"]
+    else:
+        experts = linear * expert_share
     computed = WeightBytes(embedding=embedding * s, lm_head=int(params.lm_head * head_s),
                            layers=int(linear + layer_norms * s), final_norm=spec.hidden_size * s,
-                           dtype=unq, quantization=kind)
+                           dtype=unq, quantization=kind, experts=int(experts), vision=params.vision * s)
     published = spec.weights_bytes_published
     if not published:
         return computed
@@ -228,7 +238,8 @@ def weight_bytes_breakdown(spec: ModelSpec, weights_dtype: str | None = None, *,
     factor = published / stored.total
     return WeightBytes(embedding=round(computed.embedding * factor), lm_head=round(computed.lm_head * factor),
                        layers=round(computed.layers * factor), final_norm=round(computed.final_norm * factor),
-                       dtype=unq, quantization=kind)
+                       dtype=unq, quantization=kind, experts=round(computed.experts * factor),
+                       vision=round(computed.vision * factor))
 
 
 def _linear_rows(spec: ModelSpec) -> int:
