@@ -51,11 +51,17 @@ def _quantity(text: str | int | float, what: str, kind: str, suffix: str = "") -
     return value
 
 
+MAX_SIZE = 1 << 50
+"""The largest size accepted (1 PiB): more memory than any device or host has."""
+
+
 def parse_size(text: str | int | float, what: str = "size") -> int:
-    """Bytes from ``123``, ``58.11GiB``, ``80GB`` or ``1.5e9``; rounds down to a whole byte."""
+    """Bytes from ``123``, ``58.11GiB``, ``80GB`` or ``1.5e9``; rounds down to a whole byte; at most ``MAX_SIZE``."""
     result = int(_quantity(text, what, "size"))
     if result <= 0:
         raise KVLedgerError(f"{what} must be positive, got {text!r}")
+    if result > MAX_SIZE:
+        raise KVLedgerError(f"{what} {text!r} is more than any device has (at most 1PiB)")
     return result
 
 
@@ -81,3 +87,18 @@ def format_bytes(n: float, binary: bool = True, digits: int = 2) -> str:
 def format_rate(bytes_per_s: float) -> str:
     """``1.5e12`` -> ``1.50 TB/s`` (decimal, as bandwidth is quoted)."""
     return format_bytes(bytes_per_s, binary=False) + "/s"
+
+
+def available_ram_bytes() -> int:
+    """Host memory available now: ``MemAvailable`` from /proc/meminfo, else total physical memory."""
+    from pathlib import Path
+
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -132,7 +132,8 @@ class BenchConfig:
     timeout_s: float = 600.0
 
 
-async def first_model(client: Any, base_url: str, headers: dict[str, str]) -> str:
+async def served_models(client: Any, base_url: str, headers: dict[str, str]) -> list[str]:
+    """The model ids ``GET /v1/models`` lists (a one-line error when the server cannot say)."""
     import httpx
 
     try:
@@ -144,7 +145,7 @@ async def first_model(client: Any, base_url: str, headers: dict[str, str]) -> st
     data = resp.json().get("data") or []
     if not data:
         raise KVLedgerError(f"{base_url}/v1/models lists no model; give --model")
-    return data[0]["id"]
+    return [str(m.get("id")) for m in data]
 
 
 async def run_benchmark(cfg: BenchConfig) -> tuple[ServingMetrics, dict[str, Any]]:
@@ -175,7 +176,10 @@ async def run_benchmark(cfg: BenchConfig) -> tuple[ServingMetrics, dict[str, Any
     base = cfg.base_url.rstrip("/")
     limits = httpx.Limits(max_connections=cfg.max_concurrency or 10_000, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s), limits=limits) as client:
-        model = cfg.model or await first_model(client, base, headers)
+        served = await served_models(client, base, headers)
+        model = cfg.model or served[0]
+        if model not in served:  # before sending a single request
+            raise KVLedgerError(f"{base} does not serve {model!r}; it serves {', '.join(served)}: give one of them to --model")
         sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
 
         async def one(i: int, start: float) -> RequestResult:

@@ -18,6 +18,17 @@ def _rate(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"{err} (or 'inf' or 'trace')") from None
 
 
+MAX_LENGTH_SCALE = 1000.0
+"""The largest --length-scale: a thousand times a trace's lengths is beyond any model's context."""
+
+
+def length_scale(text: str) -> float:
+    value = positive_float(text)
+    if value > MAX_LENGTH_SCALE:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_LENGTH_SCALE:g}, got {value:g}")
+    return value
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("bench", help="benchmarks against a running server",
                               description="Benchmarks. 'kvledger bench serve' measures any OpenAI-compatible server.")
@@ -36,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--num-prompts", type=positive_int, default=64, help="requests to send (default 64)")
     s.add_argument("--sample", choices=["random", "head"], default="random",
                    help="pick rows at random with --seed, or the first ones (default random)")
-    s.add_argument("--length-scale", type=positive_float, default=1.0,
+    s.add_argument("--length-scale", type=length_scale, default=1.0,
                    help="multiply prompt and output lengths by this, e.g. 0.25 (default 1)")
     s.add_argument("--max-model-len", type=positive_int, default=None,
                    help="cut prompts so prompt + output fits this many tokens")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-from kvledger.cli.common import add_kv_cache_dtype, positive_int, print_json
+from kvledger.cli.common import add_kv_cache_dtype, positive_int, print_json, token_count
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -15,8 +15,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "or a custom spec (--layers --kv-heads --head-dim).")
     p.add_argument("model", nargs="?", help="preset name (e.g. llama-3.1-8b), config.json or model directory")
     add_kv_cache_dtype(p)
-    p.add_argument("--tokens", type=positive_int, default=1, metavar="T", help="cached tokens per sequence (default 1)")
-    p.add_argument("--batch", type=positive_int, default=1, metavar="B", help="concurrent sequences (default 1)")
+    p.add_argument("--tokens", type=token_count, default=1, metavar="T", help="cached tokens per sequence (default 1)")
+    p.add_argument("--batch", type=token_count, default=1, metavar="B", help="concurrent sequences (default 1)")
     p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
                    help="tensor-parallel ranks; bytes are then per rank (default 1)")
     custom = p.add_argument_group("custom spec (instead of, or overriding, MODEL)")

@@ -23,6 +23,7 @@ SUBCOMMANDS = [
     "kvledger.cli.verify",
     "kvledger.cli.plan",
     "kvledger.cli.advise",
+    "kvledger.cli.gpus",
     "kvledger.cli.generate",
     "kvledger.cli.kv_quality",
     "kvledger.cli.serve",

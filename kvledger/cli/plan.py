@@ -6,7 +6,7 @@ import argparse
 from dataclasses import asdict
 from typing import Any
 
-from kvledger.cli.common import add_kv_cache_dtype, fraction, positive_int, print_json, rate, size
+from kvledger.cli.common import add_kv_cache_dtype, fraction, positive_int, print_json, rate, size, token_count
 from kvledger.planner.bandwidth import CROSSOVER_CONTEXT, DEFAULT_BANDWIDTH_EFFICIENCY
 from kvledger.planner.memory_wall import DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION, VLLM_BLOCK_SIZES
 from kvledger.spec.weights import MODEL_DTYPES, RUNTIME_QUANTIZATIONS, WEIGHT_DTYPE_BYTES
@@ -65,11 +65,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="How many users fit on a card: vLLM's memory wall term by term, the KV blocks and tokens it "
                     "leaves, users at 2K/8K/32K/128K, the decode-step bandwidth model, and sizing from a real trace.")
     add_memory_arguments(p)
-    p.add_argument("--max-model-len", type=positive_int, metavar="N",
+    p.add_argument("--max-model-len", type=token_count, metavar="N",
                    help="per-sequence context ceiling; an error (as vLLM's) when the pool cannot hold one "
                         "or it exceeds the model's max_position_embeddings")
-    p.add_argument("--users", type=positive_int, metavar="N", help="concurrent sequences for the bandwidth model")
-    p.add_argument("--context", type=positive_int, metavar="T",
+    p.add_argument("--users", type=token_count, metavar="N", help="concurrent sequences for the bandwidth model")
+    p.add_argument("--context", type=token_count, metavar="T",
                    help=f"live tokens per sequence for the bandwidth model and the crossover (default {CROSSOVER_CONTEXT})")
     p.add_argument("--workload", metavar="FILE", help="trace to size from: Azure CSV, Mooncake JSONL, or generic "
                                                       "CSV/JSONL with prompt_tokens,output_tokens[,timestamp]")

@@ -16,6 +16,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Serve a model over OpenAI's HTTP API (/v1/completions, /v1/chat/completions, /v1/models), "
                     "with Prometheus metrics at /metrics and a live KV-ledger dashboard at /dashboard. "
                     "Prints the URL once it accepts requests.")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="the model, as vLLM's 'vllm serve MODEL' takes it (same as --model)")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
@@ -40,6 +42,10 @@ def run(args: argparse.Namespace) -> int:
     from kvledger.errors import KVLedgerError
     from kvledger.server.launcher import bind_socket, build_app, serve_async
 
+    if args.model_tag:
+        if args.model and args.model != args.model_tag:
+            raise KVLedgerError(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
+        args.model = args.model_tag
     if not 0 <= args.port <= 65535:
         raise KVLedgerError(f"--port must be in 0..65535, got {args.port}")
     sock = bind_socket(args.host, args.port)  # fail fast, before the model loads

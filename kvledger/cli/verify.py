@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-from kvledger.cli.common import positive_int, print_json
+from kvledger.cli.common import non_negative_float, positive_int, print_json
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,13 +23,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--no-rope", dest="rope", action="store_false", help="disable rotary position embedding")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tolerance", type=float, default=None, help="max allowed |difference| (default 1e-5 float32, 1e-12 float64)")
+    p.add_argument("--tolerance", type=non_negative_float, default=None,
+                   help="max allowed |difference|, zero or more (default 1e-5 float32, 1e-12 float64)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
 
+def memory_needed(layers: int, heads: int, kv_heads: int, head_dim: int, tokens: int, batch: int,
+                  element_bytes: int) -> int:
+    """Bytes the artifact holds at its peak (an estimate from its shapes): the layers' Q/K/V/O
+    weights, the full pass's ``tokens x tokens`` scores per head (the masked scores and their
+    softmax) and its mask, the hidden states of both passes, and the KV cache (Eq 2.2)."""
+    hidden = heads * head_dim
+    kv_width = kv_heads * head_dim
+    weights = layers * (2 * hidden * hidden + 2 * hidden * kv_width) * element_bytes
+    scores = 2 * batch * heads * tokens * tokens * element_bytes + tokens * tokens
+    states = 6 * batch * tokens * hidden * element_bytes
+    cache = 2 * layers * batch * tokens * kv_width * element_bytes
+    return weights + scores + states + cache
+
+
 def run(args: argparse.Namespace) -> int:
-    from kvledger.units import format_bytes
+    from kvledger.errors import KVLedgerError
+    from kvledger.units import available_ram_bytes, format_bytes
+
+    need = memory_needed(args.layers, args.heads, args.kv_heads or args.heads, args.head_dim, args.tokens, args.batch,
+                         8 if args.dtype == "float64" else 4)
+    have = available_ram_bytes()
+    if need > have:  # checked before torch allocates anything
+        raise KVLedgerError(f"this geometry needs about {format_bytes(need)} of memory (its weights, "
+                            f"{args.tokens:,} x {args.tokens:,} attention scores per head and the KV cache) but "
+                            f"{format_bytes(have)} is available; lower --tokens, --head-dim, --heads or --batch")
     from kvledger.verify import VerifyConfig, run_verify
 
     cfg = VerifyConfig(layers=args.layers, heads=args.heads, kv_heads=args.kv_heads or args.heads,

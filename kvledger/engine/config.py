@@ -14,7 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+import re
+
 from kvledger.errors import KVLedgerError
+from kvledger.spec.dtypes import ENGINE_KV_CACHE_DTYPES
+
+VLLM_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
+"""The ``--block-size`` values vLLM accepts on CUDA: the CLI's choices (the Python API takes any
+positive size, as the scheduler's tests do)."""
 
 CPU_KV_CACHE_SHARE = 0.10
 CPU_KV_CACHE_MAX = 4 * 1024**3
@@ -36,6 +43,9 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None
     kv_cache_dtype: str = "auto"
     num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float | None = None
+    """vLLM's: the share of the device's memory (of the host's RAM on CPU) the engine may use; the
+    KV pool gets that share less what is already in use. None: the defaults above."""
     seed: int | None = 0
     tokenizer: str | None = None
 
@@ -52,6 +62,13 @@ class EngineConfig:
             from kvledger.units import parse_size
 
             self.kv_cache_memory = parse_size(self.kv_cache_memory, "--kv-cache-memory")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise KVLedgerError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
+            raise KVLedgerError(f"--device {self.device!r} is not supported; use cpu, cuda, cuda:N or auto")
+        if self.kv_cache_dtype not in ENGINE_KV_CACHE_DTYPES:
+            raise KVLedgerError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not one the engine runs; choose one of "
+                                f"{', '.join(ENGINE_KV_CACHE_DTYPES)}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -67,14 +84,15 @@ def add_engine_args(parser: Any) -> None:
     """Add the engine flags (vLLM names) to an argparse parser; the server reuses this too."""
     import argparse
 
-    from kvledger.cli.common import positive_int, size
+    from kvledger.cli.common import fraction, positive_int, size
 
     g = parser.add_argument_group("engine (vLLM flag names)")
     g.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF model directory")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights and activations dtype (default float32)")
-    g.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda if present)")
-    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda if present)")
+    g.add_argument("--block-size", type=int, default=16, choices=VLLM_BLOCK_SIZES, metavar="N",
+                   help=f"tokens per KV block: {', '.join(map(str, VLLM_BLOCK_SIZES))} (default 16)")
     g.add_argument("--max-model-len", type=positive_int, default=None,
                    help="max prompt + output tokens per request (default: the model's, capped by the pool)")
     g.add_argument("--max-num-seqs", type=positive_int, default=256, help="max running requests (default 256)")
@@ -85,7 +103,11 @@ def add_engine_args(parser: Any) -> None:
     g.add_argument("--kv-cache-memory", type=size, default=None, metavar="BYTES",
                    help="bytes for the KV block pool, e.g. 512MiB (default: CPU 10%% of available RAM, at most "
                         "4 GiB; CUDA 90%% of free memory)")
-    g.add_argument("--kv-cache-dtype", default="auto", help="KV cache element type (default auto = --dtype)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=ENGINE_KV_CACHE_DTYPES, metavar="D",
+                   help=f"KV cache element type: {', '.join(ENGINE_KV_CACHE_DTYPES)} (default auto = --dtype)")
+    g.add_argument("--gpu-memory-utilization", type=fraction, default=None, metavar="F",
+                   help="share of the device's memory (of RAM on CPU) the engine may use; the KV pool gets it less "
+                        "what is in use (default: the --kv-cache-memory defaults)")
     g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None, metavar="N",
                    help="exact number of KV blocks (overrides --kv-cache-memory)")
 

@@ -37,19 +37,7 @@ from kvledger.engine.sequence import Request
 from kvledger.errors import KVLedgerError
 from kvledger.layers.paged_kv import TORCH_DTYPES
 from kvledger.layers.quantized_kv import make_kv_cache
-
-
-def available_ram_bytes() -> int:
-    """``MemAvailable`` from /proc/meminfo, else total physical memory."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+from kvledger.units import available_ram_bytes, format_bytes
 
 
 def _pick_device(name: str) -> torch.device:
@@ -58,6 +46,17 @@ def _pick_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise KVLedgerError("--device cuda asked for but no CUDA device is available; use --device cpu")
     return torch.device(name)
+
+
+def _device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of the device the pool goes on: CUDA's own figures, or the host's
+    available and total RAM on CPU."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total)
+    import os
+
+    return available_ram_bytes(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class LLMEngine:
@@ -79,7 +78,16 @@ class LLMEngine:
         self.model_name = checkpoint.name
         model_dir = converted_dir(checkpoint)
         self.hf_config = read_config(model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or model_dir))
+        from kvledger.models.llama import SUPPORTED_MODEL_TYPES
+
+        if self.hf_config.get("model_type") not in SUPPORTED_MODEL_TYPES:
+            raise KVLedgerError(f"{self.model_name}: model_type {self.hf_config.get('model_type')!r} is not supported by "
+                                f"the engine; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or model_dir))
+        except (OSError, ValueError) as err:
+            raise KVLedgerError(f"no tokenizer loads from {config.tokenizer or model_dir}: "
+                                f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
         self.eos_token_ids = self._eos_ids(model_dir)
 
         with torch.device("meta"):
@@ -95,6 +103,12 @@ class LLMEngine:
         self.bytes_per_token = self.kv_bytes.bytes_per_token
         bs = config.block_size
         num_blocks = config.num_gpu_blocks_override or self.kv_bytes.num_blocks(self._kv_cache_memory(), bs)
+        pool_bytes = self.kv_bytes.pool_bytes(num_blocks, bs)
+        free, _ = _device_memory(self.device)
+        if pool_bytes > free:  # checked before allocating: a pool that cannot fit would exhaust the machine
+            flag = "--num-gpu-blocks-override" if config.num_gpu_blocks_override else "--kv-cache-memory"
+            raise KVLedgerError(f"the KV pool of {num_blocks:,} blocks needs {format_bytes(pool_bytes)} but the "
+                                f"{self.device.type} has {format_bytes(free)} free; lower {flag}")
         max_pos = int(self.hf_config.get("max_position_embeddings") or 2048)
         if config.max_model_len is None:
             self.max_model_len = min(max_pos, num_blocks * bs)
@@ -126,6 +140,13 @@ class LLMEngine:
     def _kv_cache_memory(self) -> int:
         if self.config.kv_cache_memory is not None:
             return int(self.config.kv_cache_memory)
+        if self.config.gpu_memory_utilization is not None:  # vLLM's: a share of the device (of RAM on CPU), less what is in use
+            free, total = _device_memory(self.device)
+            budget = int(total * self.config.gpu_memory_utilization) - (total - free)
+            if budget <= 0:
+                raise KVLedgerError(f"--gpu-memory-utilization {self.config.gpu_memory_utilization} leaves no room for "
+                                    f"the KV pool: {format_bytes(total - free)} of {format_bytes(total)} is in use")
+            return budget
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * GPU_MEMORY_UTILIZATION)

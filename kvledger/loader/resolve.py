@@ -67,6 +67,9 @@ def resolve_model(model: str | None) -> Checkpoint:
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if (path / "config.json").is_file():
+            if not any(path.glob("*.safetensors")) and not ggufs:
+                raise KVLedgerError(f"{path} has a config.json but no weights (*.safetensors or one .gguf); "
+                                    "download the checkpoint's weight files into it")
             return Checkpoint(name=path.name, path=path)
         if len(ggufs) == 1:
             return Checkpoint(name=ggufs[0].stem, path=ggufs[0], gguf_file=ggufs[0])

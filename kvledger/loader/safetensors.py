@@ -18,6 +18,8 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
         raise KVLedgerError(f"{model_dir} has no config.json; give a Hugging Face model directory or a .gguf file") from err
     except json.JSONDecodeError as err:
         raise KVLedgerError(f"{path} is not valid JSON: {err}") from err
+    except UnicodeDecodeError:
+        raise KVLedgerError(f"{path} is not a text file; give a Hugging Face config.json") from None
 
 
 def load_safetensors_state_dict(model_dir: str | Path, dtype: "Any") -> dict[str, "Any"]:

@@ -251,15 +251,25 @@ class ModelSpec:
         return dataclasses.replace(self, **changes)
 
 
+MAX_CONFIG_COUNT = 2**31 - 1
+"""The largest count a config key may hold (vLLM and torch index with int32)."""
+MAX_CONFIG_LAYERS = 10_000
+"""The most layers a config may declare (published models have at most a few hundred)."""
+
+
 def _positive_int(value: Any, key: str, where: str) -> int:
-    """``value`` as a positive int, or a ConfigError that names the key."""
+    """``value`` as a positive int of at most ``MAX_CONFIG_COUNT`` (``MAX_CONFIG_LAYERS`` for a
+    layer count), or a ConfigError that names the key."""
     try:
         number = int(value)
         exact = not isinstance(value, bool) and float(value) == number
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         number, exact = 0, False
     if not exact or number <= 0:
-        raise ConfigError(f"{where}: '{key}' must be a positive integer, got {value!r}")
+        raise ConfigError(f"{where}: '{key}' must be a positive integer, got {reprlib.repr(value)}")
+    limit = MAX_CONFIG_LAYERS if key in ("num_hidden_layers", "n_layer", "num_layers") else MAX_CONFIG_COUNT
+    if number > limit:
+        raise ConfigError(f"{where}: '{key}' = {reprlib.repr(value)} is larger than any model has (at most {limit:,})")
     return number
 
 

@@ -88,15 +88,22 @@ def _first(names, keys: tuple[str, ...]) -> str | None:
     return next((k for k in keys if k in names), None)
 
 
+MAX_REQUEST_TOKENS = 2**31 - 1
+"""The most tokens a trace row may give (int32: more than any model's context)."""
+
+
 def _int_field(value: Any, line: int, key: str, path: Path, minimum: int) -> int:
     try:
         number = int(value)
         if isinstance(value, float) and value != number:
             raise ValueError
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise KVLedgerError(f"{path}:{line}: {key} must be an integer number of tokens, got {value!r}") from None
     if number < minimum:
         raise KVLedgerError(f"{path}:{line}: {key} must be at least {minimum}, got {number}")
+    if number > MAX_REQUEST_TOKENS:
+        raise KVLedgerError(f"{path}:{line}: {key} = {number:.3g} tokens is more than any model's context "
+                            f"(at most {MAX_REQUEST_TOKENS:,})")
     return number
 
 
