@@ -1,4 +1,4 @@
-"""Which lever buys more users: the levers ranked by expected gain for a scenario, with their cost.
+"""Which lever buys more users: the levers ranked by the users they add for a scenario, with their cost.
 
 A scenario is a model on a card, requests of ``prompt_tokens + output_tokens`` (optionally
 sharing a ``shared_prefix_tokens`` system prompt), ``users`` served today and ``target_users``
@@ -7,13 +7,19 @@ must hold it at the end of its response.
 
 **What binds.** If today's users fill the pool (at least ``CAPACITY_BINDS_AT`` of what it
 holds), memory binds: "capacity". Otherwise the pool has room and the limit is admission
-control: "concurrency".
+control (``--max-num-seqs``, a router's concurrency cap): "concurrency". A target already
+met binds nothing: every gain is 0 and the advice says so.
 
-**Ranking.** Each lever is applied alone; ``users_after`` is how many such users the card
-then holds. Its expected gain is the users it adds towards the target,
-``min(users_after, target) - users``, discounted by what the lever costs
-(``COST_WEIGHT``: free flags first, then latency, rejected requests, model quality,
-hardware, product changes). FP8 KV is never offered on a card below SM 8.9.
+**Gains add up.** A lever's ``users_after`` is how many such users are served once it is
+applied alone, given what binds: while concurrency binds, admission stays where it is, so a
+lever that only grows the pool adds nothing (``users_after`` = today's users) until admission
+is lifted; ``users_after_with_admission`` says what it would serve then. Its ``gain`` is
+``min(users_after, target) - served today``, never negative. The score discounts the gain by
+the lever's cost (``COST_WEIGHT``: free flags first, then latency, headroom, rejected
+requests, model quality, hardware, product changes); ties go to what a lever adds beyond
+lifting admission alone, discounted the same way. The admission lever changes ``--max-num-seqs`` only; a higher
+``--gpu-memory-utilization`` is its own lever. No lever sets ``--max-model-len`` above the
+model's context. FP8 KV is offered only on cards with FP8 in hardware (SM 8.9+).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 from kvledger.errors import KVLedgerError
 from kvledger.planner.bandwidth import decode_step, effective_bandwidth, kv_read_bytes, weight_bytes_read_per_step
 from kvledger.planner.gpus import GPU
-from kvledger.planner.memory_wall import MemoryWall, plan_memory, users_at
+from kvledger.planner.memory_wall import MemoryWall, plan_memory, users_at, verdict
 from kvledger.spec import ModelSpec
 from kvledger.spec.dtypes import QUANTIZED_KV_DTYPES
 
@@ -33,12 +39,13 @@ CAPACITY_BINDS_AT = 0.9
 """Share of the pool today's users must fill for capacity, not concurrency, to bind
 (the scheduler starts preempting as the pool nears full)."""
 RAISED_UTILIZATION = 0.95
-"""The ``--gpu-memory-utilization`` the admission-control lever raises to."""
+"""The ``--gpu-memory-utilization`` the utilization lever raises to (vLLM's headroom, see the verdict)."""
 SHORTER_CONTEXT_FACTOR = 0.5
 """Retrieval or summarisation is assumed to halve the prompt (the shared prefix excepted)."""
 COST_WEIGHT = {
     "none": 1.0,          # prefix caching: no quality cost
     "latency": 0.9,       # admission control: decode steps get slower
+    "headroom": 0.85,     # a higher --gpu-memory-utilization: less room outside the pool
     "rejections": 0.8,    # max-model-len: requests above the ceiling are refused
     "quality-fp8": 0.5,   # fp8 KV: quality to validate, native on SM >= 8.9
     "quality-int8": 0.45,  # int8 KV: quality to validate, per-token scales
@@ -58,6 +65,10 @@ class Lever:
     score: float
     cost: str
     detail: str
+    gain: int = 0
+    """The users it adds towards the target given what binds (``gain_users``, never negative)."""
+    users_after_with_admission: int = 0
+    """Users served if admission were lifted too (the pool's capacity after the lever)."""
 
 
 @dataclass
@@ -79,6 +90,7 @@ class Advice:
     prefix_share_of_pool: float
     levers: list[Lever] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    target_met: bool = False
 
 
 def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int, users: int, target_users: int,
@@ -93,15 +105,23 @@ def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int,
         raise KVLedgerError(f"--shared-prefix-tokens ({shared_prefix_tokens}) exceeds --prompt-tokens ({prompt_tokens})")
     wall = plan_memory(spec, gpu, **memory)
     per_user = prompt_tokens + output_tokens
+    model_max = spec.max_position_embeddings
+    if model_max and per_user > model_max:
+        raise KVLedgerError(f"a user of {per_user:,} tokens (--prompt-tokens + --output-tokens) exceeds the model's "
+                            f"context, max_position_embeddings = {model_max:,} in {spec.name}'s config")
     capacity = users_at(spec, wall, per_user)
     live_now = users * per_user
+    served_now = min(users, capacity)
+    target_met = served_now >= target_users
     binding = "capacity" if users >= CAPACITY_BINDS_AT * capacity else "concurrency"
+    admission = users if binding == "concurrency" else math.inf  # a full pool admits as many as fit
     bw = effective_bandwidth(gpu, bandwidth)
-    cap = max(target_users, users)
 
-    def lever(name: str, flag: str, users_after: int, cost: str, detail: str) -> Lever:
-        gain = min(users_after, cap) - users
-        return Lever(name, flag, users_after, gain, round(max(gain, 0) * COST_WEIGHT[cost], 3), cost, detail)
+    def lever(name: str, flag: str, pool_users: int, cost: str, detail: str, lifts_admission: bool = False) -> Lever:
+        after = pool_users if lifts_admission else int(min(pool_users, admission))
+        gain = 0 if target_met else max(0, min(after, target_users) - served_now)
+        return Lever(name, flag, after, gain, round(gain * COST_WEIGHT[cost], 3), cost, detail, gain=gain,
+                     users_after_with_admission=pool_users)
 
     def step_ms(n: int) -> float:
         kv = kv_read_bytes(spec, wall.kv_cache_dtype, n, per_user, wall.tensor_parallel_size)
@@ -109,7 +129,7 @@ def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int,
 
     levers: list[Lever] = []
     duplicated = target_users * shared_prefix_tokens
-    if shared_prefix_tokens:
+    if shared_prefix_tokens >= wall.block_size:
         after = users_at(spec, wall, per_user, shared_prefix_tokens)
         levers.append(lever(
             "prefix-caching", "--enable-prefix-caching", after, "none",
@@ -118,65 +138,76 @@ def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int,
             "price: block-table bookkeeping and an invalidation path when the prompt changes"))
     else:
         levers.append(lever("prefix-caching", "--enable-prefix-caching", capacity, "none",
-                            "no shared prefix given (--shared-prefix-tokens): nothing to share for diverse one-shot traffic"))
+                            "no shared prefix of a whole block (--shared-prefix-tokens): nothing to share for diverse "
+                            "one-shot traffic"))
 
-    util = max(wall.gpu_memory_utilization, RAISED_UTILIZATION)
-    raised = wall if wall.kv_pool_given else plan_memory(spec, gpu, **{**memory, "gpu_memory_utilization": util})
-    after = users_at(spec, raised, per_user)
-    served = max(1, min(after, cap))
+    served = max(1, min(capacity, target_users))
     levers.append(lever(
-        "admission-control", f"--max-num-seqs {served} --gpu-memory-utilization {util}", after,
-        "latency",
-        f"the pool holds {after} such users, {users} are admitted; free, but each decode step reads more KV: "
-        f"{step_ms(users):.0f} ms -> {step_ms(served):.0f} ms per token at {served} users; check the TPOT SLO"))
+        "admission-control", f"--max-num-seqs {served}", capacity, "latency",
+        f"the pool holds {capacity} such users, {users} are admitted; free, but each decode step reads more KV: "
+        f"{step_ms(max(1, served_now)):.0f} ms -> {step_ms(served):.0f} ms per token at {served} users; "
+        "check the TPOT SLO", lifts_admission=True))
 
-    model_max = int(spec.max_position_embeddings or per_user)
+    if not wall.kv_pool_given and wall.gpu_memory_utilization < RAISED_UTILIZATION:
+        raised = plan_memory(spec, gpu, **{**memory, "gpu_memory_utilization": RAISED_UTILIZATION})
+        levers.append(lever(
+            "gpu-memory-utilization", f"--gpu-memory-utilization {RAISED_UTILIZATION}", users_at(spec, raised, per_user),
+            "headroom", f"{raised.kv_tokens:,} tokens instead of {wall.kv_tokens:,}; price: less room outside the pool "
+                        f"for CUDA graphs and the sampler's warm-up (the plan's verdict: "
+                        f"{verdict(spec, raised).verdict})"))
+
     max_len = math.ceil(per_user / wall.block_size) * wall.block_size
-    before = users_at(spec, wall, max(model_max, max_len))
+    if model_max:
+        max_len = min(max_len, model_max)
+    before = users_at(spec, wall, max(model_max or 0, max_len))
     after = users_at(spec, wall, max_len)
     levers.append(lever(
         "max-model-len", f"--max-model-len {max_len}", after, "rejections",
-        f"worst-case reservations: {before} users at the model's {model_max:,} tokens, {after} at {max_len:,} "
-        "(this prompt + output); price: longer requests are rejected, so measure the tail first"))
+        f"worst-case reservations: {before} users at the model's {model_max or max_len:,} tokens, {after} at "
+        f"{max_len:,} (this prompt + output); price: longer requests are rejected, so measure the tail first"))
 
     if wall.kv_cache_dtype not in QUANTIZED_KV_DTYPES:
         kinds = (["fp8"] if gpu.fp8_kv else []) + ["int8"]
         for kind in kinds:
             alt = plan_memory(spec, gpu, **{**memory, "kv_cache_dtype": kind})
-            after = users_at(spec, alt, per_user)
             ratio = alt.num_blocks / wall.num_blocks
             levers.append(lever(
-                f"kv-cache-{kind}", f"--kv-cache-dtype {kind}", after, f"quality-{kind}",
+                f"kv-cache-{kind}", f"--kv-cache-dtype {kind}", users_at(spec, alt, per_user), f"quality-{kind}",
                 f"{ratio:.2f}x the blocks ({alt.kv_tokens:,} tokens); price: validate quality on long-context "
                 "evaluations, never short ones" + ("" if gpu.fp8_kv else f"; FP8 is unavailable on {gpu.sm}, INT8 is the path")))
     notes = [] if gpu.fp8_kv else [
-        f"FP8 KV is not offered: {gpu.name} is {gpu.sm}; FP8 KV cache needs SM 8.9+ (Ada, Hopper, Blackwell); "
-        "below that it either refuses to run or silently emulates"]
+        f"FP8 KV is not offered: {gpu.name} is {gpu.sm}, without FP8 in hardware (SM 8.9+: Ada, Hopper, Blackwell); "
+        "vLLM would convert it in its kernels, and the chapter's advice there is int8"]
+    if target_met:
+        notes.insert(0, f"the target is already met: {served_now} users are served and {target_users} are wanted; "
+                        "no lever is needed")
 
     tp = wall.tensor_parallel_size
     bigger = _bigger_tensor_parallel(spec, gpu, memory, tp)
     if bigger is not None:
         size, alt = bigger
-        after = users_at(spec, alt, per_user)
         levers.append(lever(
-            "tensor-parallel", f"--tensor-parallel-size {size}", after, "hardware",
+            "tensor-parallel", f"--tensor-parallel-size {size}", users_at(spec, alt, per_user), "hardware",
             f"{size} GPUs split weights and KV heads: {alt.kv_tokens:,} tokens per rank; price: {size // tp}x the "
             "GPUs and an all-reduce per layer"))
 
     shorter = int((prompt_tokens - shared_prefix_tokens) * SHORTER_CONTEXT_FACTOR) + shared_prefix_tokens
-    after = users_at(spec, wall, shorter + output_tokens)
     levers.append(lever(
-        "shorter-contexts", "(retrieval / summarisation)", after, "product",
+        "shorter-contexts", "(retrieval / summarisation)", users_at(spec, wall, shorter + output_tokens), "product",
         f"assuming the prompt shrinks to {shorter:,} tokens; the largest lever in theory and the slowest to ship, "
         "because it is a product change, not a serving flag"))
 
-    levers.sort(key=lambda lv: (-lv.score, -COST_WEIGHT[lv.cost]))
+    def later_score(lv: Lever) -> float:  # what it adds beyond lifting admission alone
+        extra = min(lv.users_after_with_admission, target_users) - min(capacity, target_users)
+        return max(0, extra) * COST_WEIGHT[lv.cost]
+
+    levers.sort(key=lambda lv: (-lv.score, -later_score(lv), -COST_WEIGHT[lv.cost]))
     return Advice(
         model=spec.name, gpu=gpu.name, binding=binding, users=users, target_users=target_users,
         tokens_per_user=per_user, kv_tokens=wall.kv_tokens, kv_pool_bytes=wall.kv_pool_bytes,
         capacity_users=capacity, live_tokens_now=live_now, pool_share_now=live_now / wall.kv_tokens,
         duplicated_prefix_tokens=duplicated, prefix_share_of_pool=duplicated / wall.kv_tokens,
-        levers=levers, notes=notes,
+        levers=levers, notes=notes, target_met=target_met,
     )
 
 
