@@ -173,3 +173,33 @@ def test_missing_matplotlib_is_one_line(tmp_path, argv):
     assert len(lines) == 1 and "needs matplotlib" in lines[0] and "kvledger[plot]" in lines[0], proc.stderr
     assert proc.stdout.strip().endswith("False")  # the engine was never loaded
     assert not list(tmp_path.iterdir())
+
+
+def test_live_tokens_panel_draws_the_pool_and_labelled_percentiles():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from kvledger.planner.plot import plot_live_tokens
+    from kvledger.planner.workload import Replay
+
+    rep = Replay(times_s=np.linspace(0, 600, 100), live_tokens=np.arange(100.0) * 1000, sequences=np.ones(100),
+                 step_time_s=0.01, prefill_s_per_token=1e-5, iterations=1)
+    fig, ax = plt.subplots()
+    plot_live_tokens(ax, rep, 50_000)
+    assert list(ax.lines[0].get_ydata()) == list(rep.live_tokens)
+    levels = [line.get_ydata()[0] for line in ax.lines[1:]]
+    assert levels == pytest.approx([50_000, 49_500, 89_100, 98_010])  # the pool, then p50, p90, p99 of 0..99,000
+    assert [t.get_text() for t in ax.texts] == ["p50 49,500", "p90 89,100", "p99 98,010"]
+    assert "49.0% of the time above" in ax.get_title() and "live tokens" in ax.get_title()
+    plt.close(fig)
+
+
+def test_plot_with_a_timed_workload_has_the_live_tokens_panel(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("prompt_tokens,output_tokens,timestamp\n" + "".join(f"{1000 + i},{100},{i * 0.5}\n" for i in range(200)))
+    out = tmp_path / "plan.png"
+    r = kvledger("plan", "llama-3.1-8b", "--gpu", "a100-80gb", "--workload", str(trace), "--plot", str(out))
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -75,7 +75,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                       "CSV/JSONL with prompt_tokens,output_tokens[,timestamp]")
     p.add_argument("--shared-prefix-tokens", type=positive_int, metavar="N",
                    help="tokens of system prompt every request shares (prefix-caching savings)")
-    p.add_argument("--plot", metavar="FILE", help="write a PNG: users vs context, the memory wall, the length histogram")
+    p.add_argument("--plot", metavar="FILE", help="write a PNG: users vs context, the memory wall and, with --workload, "
+                                                  "the length histogram and the live tokens over the trace against the pool")
     p.set_defaults(func=run)
 
 
@@ -205,6 +206,7 @@ def workload_report(args: argparse.Namespace, spec, gpu, wall, bandwidth: float)
         "prefix_caching": wl.prefix_savings(trace, args.shared_prefix_tokens),
     }
     out["_trace"] = trace
+    out["_replay"] = rep
     return out
 
 
@@ -238,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
 
         spec, gpu, wall = plan["_"]
         trace = plan.get("workload", {}).get("_trace")
-        plot_plan(args.plot, spec, wall, trace)
+        plot_plan(args.plot, spec, wall, trace, plan.get("workload", {}).get("_replay"))
         plan["plot"] = args.plot
     if args.json:
         print_json(_strip(plan))

@@ -1,5 +1,7 @@
 """Figures for ``kvledger plan --plot``: users vs context length, the memory wall, the length
-histogram. matplotlib is optional (the ``plot`` extra; see ``kvledger.plotting``)."""
+histogram and, for a timed trace, the chapter's picture: the aggregate live tokens over the
+trace against the pool, with its p50, p90 and p99 drawn and labelled. matplotlib is optional
+(the ``plot`` extra; see ``kvledger.plotting``)."""
 
 from __future__ import annotations
 
@@ -11,16 +13,18 @@ from kvledger.units import GiB
 
 if TYPE_CHECKING:
     from kvledger.planner.memory_wall import MemoryWall
+    from kvledger.planner.workload import Replay
     from kvledger.workload.traces import Trace
     from kvledger.spec import ModelSpec
 
 
-def plot_plan(path: str | Path, spec: "ModelSpec", wall: "MemoryWall", trace: "Trace | None" = None) -> Path:
-    """Write a PNG with two panels (three with a trace) and return its path."""
+def plot_plan(path: str | Path, spec: "ModelSpec", wall: "MemoryWall", trace: "Trace | None" = None,
+              replay: "Replay | None" = None) -> Path:
+    """Write a PNG with two panels (three with a trace, four with a timed one) and return its path."""
     plt = pyplot(path)
     from kvledger.planner.memory_wall import CONTEXTS, users_at
 
-    panels = 3 if trace is not None else 2
+    panels = 2 + (trace is not None) + (replay is not None)
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2))
     ax = axes[0]
     contexts = sorted({*(2 ** k for k in range(9, 18)), *CONTEXTS})
@@ -55,4 +59,30 @@ def plot_plan(path: str | Path, spec: "ModelSpec", wall: "MemoryWall", trace: "T
             ax.axvline(float(np.percentile(trace.total, q)), linestyle="--", color="k", alpha=0.5)
         ax.set(xscale="log", xlabel="tokens", ylabel="requests", title=f"{trace.name}: lengths (p50, p99 dashed)")
         ax.legend(fontsize=8)
+    if replay is not None:
+        plot_live_tokens(axes[-1], replay, wall.kv_tokens)
     return save_png(fig, path)
+
+
+LIVE_PERCENTILES = (50, 90, 99)
+"""The percentile lines drawn over the live tokens."""
+
+
+def plot_live_tokens(ax, replay: "Replay", pool_tokens: int) -> None:
+    """The aggregate live tokens over the trace (every resident request's prompt and generated
+    tokens, sampled on the replay's time grid) against the pool, with labelled percentile lines."""
+    import numpy as np
+
+    minutes = replay.times_s / 60
+    ax.plot(minutes, replay.live_tokens, lw=0.8, label="live tokens")
+    ax.axhline(pool_tokens, color="r", lw=1.5, label=f"KV pool: {pool_tokens:,} tokens")
+    styles = {50: ":", 90: "-.", 99: "--"}
+    for q in LIVE_PERCENTILES:
+        value = float(np.percentile(replay.live_tokens, q))
+        ax.axhline(value, color="k", lw=0.9, linestyle=styles.get(q, "--"), alpha=0.7)
+        ax.annotate(f"p{q} {value:,.0f}", (minutes[-1], value), textcoords="offset points", xytext=(-4, 3),
+                    ha="right", fontsize=8)
+    over = float((replay.live_tokens > pool_tokens).mean())
+    ax.set(xlabel="time in the trace (min)", ylabel="tokens",
+           title=f"live tokens vs the pool ({over:.1%} of the time above)")
+    ax.legend(loc="upper left", fontsize=8)
