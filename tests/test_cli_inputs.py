@@ -125,3 +125,59 @@ def test_a_pool_larger_than_the_machine_is_refused_before_allocating():
     assert_one_line_error(kvledger("generate", "hi", "--kv-cache-memory", "1000TiB"), "free", "--kv-cache-memory")
     assert_one_line_error(kvledger("generate", "hi", "--num-gpu-blocks-override", "1000000000"), "free",
                           "--num-gpu-blocks-override")
+
+
+def test_an_unsupported_model_type_names_the_supported_ones(tmp_path):
+    config = json.loads(open("kvledger/spec/configs/google--gemma-2-9b-it/config.json").read())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 16)
+    assert_one_line_error(kvledger("generate", "hi", "--model", str(tmp_path)), "gemma2", "supported: llama")
+
+
+def test_serve_takes_the_model_positionally_as_vllm_does():
+    from kvledger.cli.main import build_parser
+
+    args = build_parser().parse_args(["serve", "smollm2-135m", "--port", "0"])
+    assert args.model_tag == "smollm2-135m" and args.model is None
+    assert_one_line_error(kvledger("serve", "smollm2-135m", "--model", "other"), "two models")
+
+
+def test_engine_utilization_that_leaves_no_room_is_one_line():
+    assert_one_line_error(kvledger("generate", "hi", "--gpu-memory-utilization", "0.0001"),
+                          "--gpu-memory-utilization", "no room")
+
+
+def test_bench_serve_checks_the_model_before_sending(tmp_path):
+    import http.server
+    import threading
+
+    posts = []
+
+    class Server(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = json.dumps({"object": "list", "data": [{"id": "smollm2-135m"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):  # noqa: N802
+            posts.append(self.path)
+            self.send_response(500)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Server)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        trace = tmp_path / "t.csv"
+        trace.write_text("prompt_tokens,output_tokens\n10,5\n12,6\n")
+        r = kvledger("bench", "serve", "--base-url", f"http://127.0.0.1:{httpd.server_address[1]}", "--model", "gpt-4",
+                     "--trace", str(trace), "--num-prompts", "2")
+        assert_one_line_error(r, "does not serve 'gpt-4'", "smollm2-135m")
+        assert posts == []  # not one request sent
+    finally:
+        httpd.shutdown()
