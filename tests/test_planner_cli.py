@@ -25,8 +25,9 @@ def test_json_interface_keys():
     out = plan(*CHAPTER, "--users", "60", "--context", "8192", "--bandwidth", "1.5TB/s")
     for key in ("weights_bytes", "kv_pool_bytes", "bytes_per_token", "scale_bytes_per_token", "num_blocks", "kv_tokens",
                 "users_per_context", "crossover_tokens", "step_time_s", "tokens_per_s", "tokens_per_s_per_user",
-                "kv_byte_share"):
+                "kv_byte_share", "verdict", "weight_bytes_read_per_step"):
         assert key in out, key
+    assert out["verdict"] == "fits" and out["weight_bytes_read_per_step"] == out["weights_bytes"]
     assert list(out["users_per_context"]) == ["2048", "8192", "32768", "131072"]
     assert all(isinstance(v, int) for v in out["users_per_context"].values())
 

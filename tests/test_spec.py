@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.errors import ConfigError
+from kvledger.errors import ConfigError, KVLedgerError
 from kvledger.spec import ModelSpec, count_params, kv_bytes, load_model_spec, presets, weights_bytes
 
 GiB = 1024**3
@@ -252,3 +252,59 @@ def test_bad_config_values_name_the_key():
         ModelSpec.from_config_dict({**base, "layer_types": ["full_attention", 1]})
     with pytest.raises(ConfigError, match="'sliding_window' must be a positive integer, got None"):
         ModelSpec.from_config_dict({**base, "layer_types": ["sliding_attention", "full_attention"]})
+
+
+# ------------------------------------------------------------------------------ weights as vLLM loads them
+def _quantized(spec, quantization_config):
+    return spec.with_config(quantization_config=quantization_config)
+
+
+def test_weights_under_dtype_and_runtime_fp8_match_vllms_load():
+    """vLLM 0.19 logged 'Model loading took' 14.99 GiB (bf16), 29.98 (--dtype float32) and 8.49
+    (--quantization fp8) for Llama-3.1-8B-Instruct: the linear layers (6.98 B parameters) at 1
+    byte with a float32 scale per output channel, embeddings and lm_head (2 x 128,256 x 4,096) in bf16."""
+    from kvledger.spec.weights import count_params
+
+    spec = load_model_spec("llama-3.1-8b-instruct")
+    p = count_params(spec)
+    assert weights_bytes(spec, dtype="float32") == 2 * weights_bytes(spec)
+    fp8 = weights_bytes(spec, quantization="fp8")
+    assert fp8 == pytest.approx((p.embedding + p.lm_head + p.norm) * 2 + p.linear + 4 * p.linear // 4096, abs=64)
+    assert round(fp8 / GiB, 2) == 8.46  # vLLM: 8.49
+    with pytest.raises(KVLedgerError, match="already quantized"):
+        weights_bytes(load_model_spec("gpt-oss-20b"), quantization="fp8")
+
+
+def test_weights_of_quantized_checkpoints_by_method():
+    """The bits of each quant_method, worked by hand on Llama-3.1-8B's shapes (6,979,321,856 linear
+    weights, 2 x 525,336,576 embedding and lm_head weights). vLLM logged 8.49 GiB for the w8a8
+    (compressed-tensors, 8-bit, per-channel) and 5.38 GiB for the w4a16 (4-bit, groups of 128)
+    RedHatAI checkpoints of it."""
+    from kvledger.spec.weights import count_params
+
+    spec = load_model_spec("llama-3.1-8b-instruct")
+    p = count_params(spec)
+    assert p.linear == 6_979_321_856 and p.embedding == p.lm_head == 525_336_576
+    rest = (p.embedding + p.lm_head + p.norm) * 2
+    w8a8 = _quantized(spec, {"quant_method": "compressed-tensors", "ignore": ["lm_head"],
+                             "config_groups": {"g": {"weights": {"num_bits": 8, "strategy": "channel"}}}})
+    assert weights_bytes(w8a8) == pytest.approx(rest + p.linear * (1 + 4 / 4096), abs=64)
+    assert round(weights_bytes(w8a8) / GiB, 2) == 8.46  # vLLM: 8.49
+    w4a16 = _quantized(spec, {"quant_method": "compressed-tensors", "ignore": ["lm_head"],
+                              "config_groups": {"g": {"weights": {"num_bits": 4, "group_size": 128}}}})
+    assert weights_bytes(w4a16) == pytest.approx(rest + p.linear * (0.5 + 2 / 128), abs=64)
+    assert round(weights_bytes(w4a16) / GiB, 2) == 5.31  # vLLM: 5.38
+    awq = _quantized(spec, {"quant_method": "awq", "bits": 4, "group_size": 128})
+    assert weights_bytes(awq) == pytest.approx(rest + p.linear * (0.5 + 2.5 / 128), abs=64)
+    with pytest.raises(KVLedgerError, match="quant_method 'bitnet'"):
+        weights_bytes(_quantized(spec, {"quant_method": "bitnet"}))
+
+
+def test_mxfp4_checkpoint_keeps_attention_in_bf16():
+    from kvledger.spec.weights import WEIGHT_DTYPE_BYTES, count_params, weight_bytes_breakdown
+
+    spec = load_model_spec("gpt-oss-120b")
+    p = count_params(spec)
+    parts = weight_bytes_breakdown(spec)
+    assert parts.experts == int(p.expert * WEIGHT_DTYPE_BYTES["mxfp4"])
+    assert parts.total == pytest.approx((p.total - p.expert) * 2 + p.expert * 4.25 / 8, abs=8)
