@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from tests.cli_helpers import assert_one_line_error, kvledger
 
 PLAN = ("plan", "llama-3.1-8b", "--gpu", "h100-80gb")
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "kvledger" / "spec" / "configs"
 
 
 @pytest.mark.parametrize("args, needles", [
@@ -34,7 +40,7 @@ def test_bad_input_is_one_line_exit_2(args, needles):
 
 
 def test_a_config_with_absurd_counts_is_one_line(tmp_path):
-    config = json.loads(open("kvledger/spec/configs/meta-llama--Llama-3.1-8B/config.json").read())
+    config = json.loads((CONFIGS / "meta-llama--Llama-3.1-8B" / "config.json").read_text())
     for key, value in (("num_hidden_layers", 1e30), ("vocab_size", 1e30), ("hidden_size", float("inf"))):
         f = tmp_path / f"{key}.json"
         f.write_text(json.dumps({**config, key: value}).replace("Infinity", "1e400"))
@@ -61,14 +67,10 @@ def test_users_alone_takes_the_default_context():
 def test_model_name_of_a_config_path_is_its_directory(tmp_path):
     d = tmp_path / "my-llama"
     d.mkdir()
-    (d / "config.json").write_text(open("kvledger/spec/configs/meta-llama--Llama-3.1-8B/config.json").read())
+    (d / "config.json").write_text((CONFIGS / "meta-llama--Llama-3.1-8B" / "config.json").read_text())
     for arg, cwd in ((".", d), ("config.json", d), (str(d), tmp_path)):
-        import subprocess
-        import sys
-
         proc = subprocess.run([sys.executable, "-m", "kvledger.cli.main", "plan", arg, "--gpu", "h100-80gb"],
-                              capture_output=True, text=True, cwd=cwd,
-                              env={**__import__("os").environ, "PYTHONPATH": __import__("os").getcwd()})
+                              capture_output=True, text=True, cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.splitlines()[0].startswith("my-llama: 32 layers"), proc.stdout.splitlines()[0]
 
@@ -117,7 +119,7 @@ def test_engine_flags_refuse_bad_values_before_loading():
 
 
 def test_a_model_directory_without_weights_says_so(tmp_path):
-    (tmp_path / "config.json").write_text(open("kvledger/spec/configs/meta-llama--Llama-3.1-8B/config.json").read())
+    (tmp_path / "config.json").write_text((CONFIGS / "meta-llama--Llama-3.1-8B" / "config.json").read_text())
     assert_one_line_error(kvledger("generate", "hi", "--model", str(tmp_path)), "no weights")
 
 
@@ -128,7 +130,7 @@ def test_a_pool_larger_than_the_machine_is_refused_before_allocating():
 
 
 def test_an_unsupported_model_type_names_the_supported_ones(tmp_path):
-    config = json.loads(open("kvledger/spec/configs/google--gemma-2-9b-it/config.json").read())
+    config = json.loads((CONFIGS / "google--gemma-2-9b-it" / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 16)
     assert_one_line_error(kvledger("generate", "hi", "--model", str(tmp_path)), "gemma2", "supported: llama")
