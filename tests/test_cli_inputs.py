@@ -183,3 +183,15 @@ def test_bench_serve_checks_the_model_before_sending(tmp_path):
         assert posts == []  # not one request sent
     finally:
         httpd.shutdown()
+
+
+def test_mooncake_without_hash_ids_and_an_empty_trace(tmp_path):
+    rows = tmp_path / "mooncake.jsonl"
+    rows.write_text("".join(json.dumps({"timestamp": i * 100, "input_length": 1000, "output_length": 50}) + "\n"
+                            for i in range(20)))
+    r = kvledger(*PLAN, "--workload", str(rows), "--json")
+    assert r.returncode == 0, r.stderr
+    assert r.json()["workload"]["requests"] == 20 and r.json()["workload"]["prefix_caching"] is None
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert_one_line_error(kvledger(*PLAN, "--workload", str(empty)), "empty.jsonl is empty")
