@@ -528,8 +528,8 @@ def verdict(spec: ModelSpec, wall: MemoryWall, max_model_len: int | None = None,
             need, what = one, f"one {max_model_len:,}-token sequence (--max-model-len)"
     per_point = int(wall.total_bytes * 0.01) // wall.block_bytes * wall.block_size  # tokens per +0.01 utilization
     if need > wall.num_blocks:
-        return Verdict("does not fit", "KV pool", f"the pool holds {wall.kv_tokens:,} tokens, {what} needs "
-                       f"{need * wall.block_size:,}", "raise --gpu-memory-utilization, lower --max-model-len or the load")
+        return Verdict("does not fit", "KV pool", f"the pool holds {wall.kv_tokens:,} tokens; {what}: "
+                       f"{need * wall.block_size:,} tokens needed", "raise --gpu-memory-utilization, lower --max-model-len or the load")
     margin = int(wall.num_blocks * (1 - TOKEN_SPREAD))
     if need and need > margin:
         return Verdict("tight", "KV pool",
@@ -543,13 +543,14 @@ def verdict(spec: ModelSpec, wall: MemoryWall, max_model_len: int | None = None,
         term = max(outside, key=lambda k: outside[k])
         short = HEADROOM_MARGIN_BYTES - wall.headroom_left_bytes
         lower = math.floor((wall.requested_bytes - short) / wall.total_bytes * 100) / 100
+        lost = (wall.requested_bytes - int(wall.total_bytes * lower)) // wall.block_bytes * wall.block_size
         return Verdict("tight", term,
                        f"outside the pool {wall.headroom_bytes / GiB:.2f} GiB must hold the CUDA context, "
                        f"{wall.comm_init_bytes / GiB:.2f} GiB of communicators, {wall.cuda_graph_bytes / GiB:.2f} GiB "
                        f"of CUDA graphs and the sampler's {wall.sampler_warmup_bytes / GiB:.2f} GiB warm-up; "
                        f"{wall.headroom_left_bytes / GiB:.2f} GiB is left, less than the "
                        f"{HEADROOM_MARGIN_BYTES / GiB:.1f} GiB these estimates can miss by",
-                       f"--gpu-memory-utilization {lower:.2f} leaves the margin (about {short // wall.block_bytes * wall.block_size:,} "
+                       f"--gpu-memory-utilization {lower:.2f} leaves the margin (about {lost:,} "
                        f"fewer KV tokens), or lower --max-num-seqs (now {wall.max_num_seqs:,}) to shrink the warm-up")
     return Verdict("fits", None, f"the pool holds {what or 'the load'} with room to spare" if what else
                    "the pool is sized and the headroom holds what vLLM needs outside it", "")
