@@ -42,7 +42,7 @@ def main() -> None:
         err = f"{c.token_error:+.2%}" if c.token_error is not None else "-"
         tokens = f"{c.tokens_predicted:,} / {c.tokens_measured:,}" if c.tokens_predicted and c.tokens_measured else "-"
         outcome = "started" if c.started else f"failed: {c.failure}"
-        rows.append((c.model, _flags(c.flags), outcome, c.verdict + (f" ({c.verdict_term})" if c.verdict_term else ""),
+        rows.append((c.model + (f" (config: {c.config})" if c.config else ""), _flags(c.flags), outcome, c.verdict + (f" ({c.verdict_term})" if c.verdict_term else ""),
                      *terms, tokens, err))
     print(tabulate(rows, headers=["model", "flags", "vLLM", "planner", "weights GiB", "activation GiB",
                                   "non-torch GiB", "KV pool GiB", "KV tokens (plan / vLLM)", "token error"],

@@ -54,6 +54,8 @@ class RowCheck:
     tokens_measured: int | None = None
     error: str | None = None
     """The planner's one-line refusal, when it refused."""
+    config: str | None = None
+    """The bundled config planned when it is not the run's own model's (a fine-tune's base model)."""
 
     @property
     def token_error(self) -> float | None:
@@ -102,7 +104,8 @@ def check_row(row: dict[str, Any]) -> RowCheck:
     model = row.get("config") or row["model"]
     check = RowCheck(source=row["source"], model=row["model"], flags=" ".join(_flags(row)), started=row["started"],
                      failure=row.get("failure"), usable=True,
-                     measured={t: row.get(f"{t}_gib") for t in TERMS}, tokens_measured=row.get("kv_tokens"))
+                     measured={t: row.get(f"{t}_gib") for t in TERMS}, tokens_measured=row.get("kv_tokens"),
+                     config=row.get("config"))
     if row.get("failure") in ENVIRONMENT_FAILURES or row.get("data_parallel_size", 1) != 1:
         check.usable, check.reason = False, row.get("failure") or "data parallelism is not planned"
         return check
