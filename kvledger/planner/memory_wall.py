@@ -103,8 +103,9 @@ the CUDA graphs and one float32 copy of the sampler's warm-up logits), the verdi
 the largest gap between these estimates and what the table's runs needed (gpt-oss-20b ran out
 of memory in its sampler warm-up with 1.6 GiB left after its graphs: allocator fragmentation)."""
 TOKEN_SPREAD = 0.03
-"""The relative spread between estimated and measured KV tokens in the validation table (its
-worst started run, see BENCHMARKS.md): when the pool holds the request by less, "tight"."""
+"""How far the estimated KV tokens may be from vLLM's: the validation table holds every started
+run within it (its worst is 1.84%, see BENCHMARKS.md). A pool that holds the request by less
+than this share of itself is "tight"."""
 
 CONTEXTS = (2048, 8192, 32768, 131072)
 """The chapter's context lengths for the users-per-context table (tokens)."""
