@@ -204,3 +204,12 @@ def test_plot_with_a_timed_workload_has_the_live_tokens_panel(tmp_path):
     r = kvledger("plan", "llama-3.1-8b", "--gpu", "a100-80gb", "--workload", str(trace), "--plot", str(out))
     assert r.returncode == 0, r.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_max_model_len_the_verdict_holds_the_models_context():
+    """vLLM starts with the model's own context unless told otherwise: on an L4 Llama-3.1-8B's
+    131,072 tokens do not fit, so the plan must not say "fits"."""
+    out = plan("llama-3.1-8b", "--gpu", "l4")
+    assert out["verdict"] == "does not fit" and out["verdict_term"] == "max-model-len"
+    assert f"--max-model-len {out['max_fitting_length']}" in out["verdict_advice"]
+    assert plan("llama-3.1-8b", "--gpu", "l4", "--max-model-len", "8192")["verdict"] == "fits"  # 0.57 GiB left, 0.5 needed

@@ -165,7 +165,15 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
                    load_fits=args.users <= users_at(spec, wall, args.context))
     if args.workload:
         out["workload"] = workload_report(args, spec, gpu, wall, bandwidth)
-    v = verdict(spec, wall, max_model_len=args.max_model_len, users=args.users, context=args.context)
+    # vLLM starts with --max-model-len, or else the model's own context: the verdict holds it to that
+    v = verdict(spec, wall, max_model_len=args.max_model_len or spec.max_position_embeddings, users=args.users,
+                context=args.context)
+    if v.verdict == "does not fit" and not args.max_model_len and v.term == "KV pool" and spec.max_position_embeddings \
+            and users_at(spec, wall, spec.max_position_embeddings) == 0:
+        v = type(v)(v.verdict, "max-model-len",
+                    f"vLLM starts with the model's context ({spec.max_position_embeddings:,} tokens) unless told "
+                    f"otherwise, and the pool holds {out['max_fitting_length']:,} for one sequence",
+                    f"set --max-model-len {out['max_fitting_length']} or less")
     out.update(verdict=v.verdict, verdict_term=v.term, verdict_reason=v.reason, verdict_advice=v.advice)
     out["_"] = (spec, gpu, wall)
     return out

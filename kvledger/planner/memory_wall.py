@@ -97,11 +97,14 @@ CUDA_GRAPH_MAX_CAPTURE = 512
 51 sizes up to 512."""
 CUDA_GRAPH_MAX_CAPTURE_BY_ARCH = {"GptOssForCausalLM": 1024}
 """vLLM's per-architecture configuration raises the capture size for these (gpt-oss: 83 sizes)."""
-HEADROOM_MARGIN_BYTES = int(1.5 * GiB)
-"""Below this much memory left outside the pool (after the CUDA context, the communicators,
-the CUDA graphs and one float32 copy of the sampler's warm-up logits), the verdict is "tight":
-the largest gap between these estimates and what the table's runs needed (gpt-oss-20b ran out
-of memory in its sampler warm-up with 1.6 GiB left after its graphs: allocator fragmentation)."""
+HEADROOM_MIN_MARGIN_BYTES = int(0.5 * GiB)
+"""The least memory that must stay free outside the pool once the CUDA context, the
+communicators, the CUDA graphs and one float32 copy of the sampler's warm-up logits are counted;
+``headroom_margin`` asks for twice the warm-up when that is more."""
+WARMUP_MARGIN_FACTOR = 2
+"""The allocator can strand as much again as the warm-up asks for: gpt-oss-20b's warm-up asked
+786 MiB with 552 MiB free and 1.78 GiB reserved but unallocated, and ran out of memory."""
+
 TOKEN_SPREAD = 0.03
 """How far the estimated KV tokens may be from vLLM's: the validation table holds every started
 run within it (its worst is 1.84%, see BENCHMARKS.md). A pool that holds the request by less
@@ -498,6 +501,12 @@ def useful_work(users: int) -> str:
 
 
 # ---------------------------------------------------------------------------- the verdict
+def headroom_margin(wall: MemoryWall) -> int:
+    """Bytes that must stay free outside the pool: ``WARMUP_MARGIN_FACTOR`` x the sampler's
+    warm-up, at least ``HEADROOM_MIN_MARGIN_BYTES``."""
+    return max(WARMUP_MARGIN_FACTOR * wall.sampler_warmup_bytes, HEADROOM_MIN_MARGIN_BYTES)
+
+
 @dataclass(frozen=True)
 class Verdict:
     """``fits``, ``tight`` or ``does not fit``, the term most likely to break it, and what buys room."""
@@ -514,8 +523,8 @@ def verdict(spec: ModelSpec, wall: MemoryWall, max_model_len: int | None = None,
 
     "does not fit": the pool cannot hold one ``max_model_len`` sequence (or the ``users`` x
     ``context`` load). "tight": it holds it by less than ``TOKEN_SPREAD`` of the pool (the
-    validation table's worst error), or the memory outside the pool leaves less than
-    ``HEADROOM_MARGIN_BYTES``: vLLM may then refuse, or run out of memory after sizing the pool.
+    validation table's bar), or the memory outside the pool leaves less than
+    ``headroom_margin``: vLLM may then run out of memory after sizing the pool.
     "fits" otherwise. The advice says what a higher ``--gpu-memory-utilization`` or a lower
     ``--max-model-len`` (or fewer ``--max-num-seqs``) would buy.
     """
@@ -526,7 +535,7 @@ def verdict(spec: ModelSpec, wall: MemoryWall, max_model_len: int | None = None,
     if max_model_len:
         one = sequence_blocks(spec, wall, max_model_len)
         if one > need:
-            need, what = one, f"one {max_model_len:,}-token sequence (--max-model-len)"
+            need, what = one, f"one {max_model_len:,}-token sequence (max_model_len)"
     per_point = int(wall.total_bytes * 0.01) // wall.block_bytes * wall.block_size  # tokens per +0.01 utilization
     if need > wall.num_blocks:
         return Verdict("does not fit", "KV pool", f"the pool holds {wall.kv_tokens:,} tokens; {what}: "
@@ -537,12 +546,13 @@ def verdict(spec: ModelSpec, wall: MemoryWall, max_model_len: int | None = None,
                        f"the pool holds {what} with {(wall.num_blocks - need) * wall.block_size:,} tokens to spare, "
                        f"less than the estimate's {TOKEN_SPREAD:.0%} spread ({wall.kv_tokens - margin * wall.block_size:,} tokens)",
                        f"each +0.01 of --gpu-memory-utilization adds about {per_point:,} tokens; "
-                       f"--max-model-len {margin * wall.block_size:,} fits with the margin")
-    if wall.headroom_left_bytes < HEADROOM_MARGIN_BYTES and not wall.overhead_given:
+                       f"--max-model-len {margin * wall.block_size} fits with the margin")
+    margin = headroom_margin(wall)
+    if wall.headroom_left_bytes < margin and not wall.overhead_given:
         outside = {"CUDA graphs": wall.cuda_graph_bytes, "the sampler warm-up": wall.sampler_warmup_bytes,
                    "the communicators": wall.comm_init_bytes}
         term = max(outside, key=lambda k: outside[k])
-        short = HEADROOM_MARGIN_BYTES - wall.headroom_left_bytes
+        short = margin - wall.headroom_left_bytes
         lower = math.floor((wall.requested_bytes - short) / wall.total_bytes * 100) / 100
         lost = (wall.requested_bytes - int(wall.total_bytes * lower)) // wall.block_bytes * wall.block_size
         return Verdict("tight", term,
@@ -550,7 +560,7 @@ def verdict(spec: ModelSpec, wall: MemoryWall, max_model_len: int | None = None,
                        f"{wall.comm_init_bytes / GiB:.2f} GiB of communicators, {wall.cuda_graph_bytes / GiB:.2f} GiB "
                        f"of CUDA graphs and the sampler's {wall.sampler_warmup_bytes / GiB:.2f} GiB warm-up; "
                        f"{wall.headroom_left_bytes / GiB:.2f} GiB is left, less than the "
-                       f"{HEADROOM_MARGIN_BYTES / GiB:.1f} GiB these estimates can miss by",
+                       f"{margin / GiB:.2f} GiB margin (the allocator can strand as much again as the warm-up asks)",
                        f"--gpu-memory-utilization {lower:.2f} leaves the margin (about {lost:,} "
                        f"fewer KV tokens), or lower --max-num-seqs (now {wall.max_num_seqs:,}) to shrink the warm-up")
     return Verdict("fits", None, f"the pool holds {what or 'the load'} with room to spare" if what else
