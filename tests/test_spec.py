@@ -308,3 +308,14 @@ def test_mxfp4_checkpoint_keeps_attention_in_bf16():
     parts = weight_bytes_breakdown(spec)
     assert parts.experts == int(p.expert * WEIGHT_DTYPE_BYTES["mxfp4"])
     assert parts.total == pytest.approx((p.total - p.expert) * 2 + p.expert * 4.25 / 8, abs=8)
+
+
+def test_a_float32_checkpoint_is_served_in_bfloat16_unless_asked():
+    """vLLM's --dtype auto serves a float32 checkpoint (google/gemma-2-9b) in bfloat16: half its
+    stored bytes, and a bf16 KV cache; --dtype float32 keeps it whole."""
+    from kvledger.spec.weights import model_dtype
+
+    base, it = load_model_spec("gemma-2-9b"), load_model_spec("gemma-2-9b-it")
+    assert base.torch_dtype == "float32" and model_dtype(base) == "bfloat16" and model_dtype(base, "float32") == "float32"
+    assert weights_bytes(base) == weights_bytes(it) == pytest.approx(it.weights_bytes_published, rel=1e-6)
+    assert weights_bytes(base, dtype="float32") == 2 * weights_bytes(base)

@@ -6,7 +6,8 @@ MLP or experts, norms, biases); MoE experts all count: every expert is resident 
 uses only a few. Each part is then sized as vLLM stores it:
 
 * unquantized parts at the model dtype: ``--dtype`` if given (``float32`` doubles a bf16
-  checkpoint), else the config's ``torch_dtype``;
+  checkpoint), else the config's ``torch_dtype`` (a float32 checkpoint is served in bfloat16,
+  as vLLM's ``auto`` does);
 * ``quantization_config`` of the checkpoint: ``fp8`` (linear layers 1 byte, block scales),
   ``mxfp4`` (experts at 4.25 bits: 4-bit values plus one 8-bit scale per 32), ``awq`` /
   ``gptq`` (``bits`` per weight plus a float16 scale and a packed zero per group),
@@ -175,12 +176,19 @@ class WeightBytes:
         return math.ceil(part / tensor_parallel_size)
 
 
+def checkpoint_dtype(spec: ModelSpec) -> str:
+    """The dtype the checkpoint's tensors are stored in: the config's ``torch_dtype``."""
+    name = _DTYPE_ALIASES.get(spec.torch_dtype.lower(), spec.torch_dtype.lower())
+    return name if name in MODEL_DTYPES else "bfloat16"
+
+
 def model_dtype(spec: ModelSpec, dtype: str | None = None) -> str:
-    """vLLM's ``--dtype`` resolved: ``auto`` (or None) is the config's ``torch_dtype``."""
+    """vLLM's ``--dtype`` resolved: ``auto`` (or None) is the checkpoint's dtype, except that vLLM
+    serves a float32 checkpoint in bfloat16 unless ``--dtype float32`` is given."""
     name = _DTYPE_ALIASES.get((dtype or "auto").lower(), (dtype or "auto").lower())
     if name == "auto":
-        name = _DTYPE_ALIASES.get(spec.torch_dtype.lower(), spec.torch_dtype.lower())
-        return name if name in MODEL_DTYPES else "bfloat16"
+        stored = checkpoint_dtype(spec)
+        return "bfloat16" if stored == "float32" else stored
     if name not in MODEL_DTYPES:
         raise KVLedgerError(f"unknown --dtype {dtype!r}; choose auto, {', '.join(MODEL_DTYPES)}")
     return name
@@ -234,7 +242,9 @@ def weight_bytes_breakdown(spec: ModelSpec, weights_dtype: str | None = None, *,
         return computed
     # The index's total_size is the checkpoint as stored: scale the count so the parts add up to
     # it (at the checkpoint's own dtype), then to the dtype and quantization vLLM loads.
-    stored = weight_bytes_breakdown(spec, dtype=None) if (dtype or quantization) else computed
+    ckpt = checkpoint_dtype(spec)
+    same = unq == ckpt and not quantization
+    stored = computed if same else weight_bytes_breakdown(spec, dtype=ckpt)
     factor = published / stored.total
     return WeightBytes(embedding=round(computed.embedding * factor), lm_head=round(computed.lm_head * factor),
                        layers=round(computed.layers * factor), final_norm=round(computed.final_norm * factor),
