@@ -27,6 +27,8 @@ SUBCOMMANDS = [
     "kvledger.cli.kv_quality",
     "kvledger.cli.serve",
     "kvledger.cli.bench",
+    "kvledger.cli.simulate",
+    "kvledger.cli.calibrate",
 ]
 
 

@@ -44,8 +44,7 @@ class KVCacheManager:
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            tokens = request.token_ids_slice(i * bs, (i + 1) * bs)
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+            hashes.append(hash_block(hashes[-1] if hashes else None, request.block_content(i, bs)))
         return hashes[:num_full_blocks]
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -74,9 +73,15 @@ class KVCacheManager:
         ``computed_blocks`` are prefix-cache hits of a request being admitted (its
         ``num_computed_tokens`` already counts them). Nothing changes when it returns False.
         """
-        computed_blocks = computed_blocks or []
-        table = self.block_tables.get(request.request_id, [])
         total_tokens = request.num_computed_tokens + num_new_tokens
+        table = self.block_tables.get(request.request_id)
+        if table is not None and not computed_blocks and -(-total_tokens // self.block_size) <= len(table):
+            # the common decode step: its blocks already hold the new tokens (the simulator's hot path)
+            if total_tokens // self.block_size > self._num_cached[request.request_id]:
+                self._cache_full_blocks(request, total_tokens)
+            return True
+        computed_blocks = computed_blocks or []
+        table = table if table is not None else []
         need = self.num_blocks_needed(total_tokens) - len(table) - len(computed_blocks)
         # hits that are currently free leave the free queue when touched
         free_hits = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)

@@ -29,7 +29,7 @@ from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.config import CPU_KV_CACHE_MAX, CPU_KV_CACHE_SHARE, GPU_MEMORY_UTILIZATION, EngineConfig
 from kvledger.engine.kv_cache_manager import KVCacheManager
 from kvledger.engine.model_runner import ModelRunner
-from kvledger.engine.outputs import CompletionOutput, KVLedger, RequestOutput
+from kvledger.engine.outputs import CompletionOutput, KVLedger, RequestOutput, StepRecord
 from kvledger.engine.sampler import sample
 from kvledger.engine.sampling_params import SamplingParams
 from kvledger.engine.scheduler import Scheduler, SchedulerOutput
@@ -118,6 +118,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
         self.blocks_allocated_peak = 0
+        self.num_steps = 0
+        self.step_records: list[StepRecord] | None = None
+        """Set to a list to have every step that ran appended to it (batch, tokens, wall time)."""
         self.vocab_size = int(self.hf_config["vocab_size"])
         # draws of requests without their own seed (vLLM's --seed); None leaves them to torch's global generator
         self.generator = None if config.seed is None else torch.Generator(self.device).manual_seed(config.seed)
@@ -191,11 +194,16 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and run one batch; outputs for every request that got a new token."""
+        start = time.perf_counter()
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
+        batch = ([(s.request.request_id, s.request.num_computed_tokens, s.num_new_tokens) for s in out.scheduled]
+                 if self.step_records is not None else [])
         try:
+            model_start = time.perf_counter()
             samplers, logits = self.runner.execute(out, self.kv_manager.block_tables)
+            model_s = time.perf_counter() - model_start
         except BaseException:
             self._abort_failed_step(out)
             raise
@@ -213,6 +221,11 @@ class LLMEngine:
             outputs.append(self._make_output(request, token))
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
+        if self.step_records is not None:
+            self.step_records.append(StepRecord(self.num_steps, batch, len(requests), start,
+                                                time.perf_counter() - start, model_s,
+                                                [r.request_id for r in out.preempted]))
+        self.num_steps += 1
         return outputs
 
     def _abort_failed_step(self, out: SchedulerOutput) -> None:
