@@ -56,12 +56,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[int] = []
-        for block_hash in self._block_hashes(request, max_blocks):
-            block_id = self.pool.lookup(block_hash)
-            if block_id is None:
-                break
-            hits.append(block_id)
+        hits = self.pool.cached_prefix(self._block_hashes(request, max_blocks))
         return hits, len(hits) * self.block_size
 
     def num_blocks_needed(self, num_tokens: int) -> int:
@@ -84,7 +79,8 @@ class KVCacheManager:
         table = table if table is not None else []
         need = self.num_blocks_needed(total_tokens) - len(table) - len(computed_blocks)
         # hits that are currently free leave the free queue when touched
-        free_hits = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
+        blocks = self.pool.blocks
+        free_hits = sum([blocks[b].ref_cnt == 0 for b in computed_blocks]) if computed_blocks else 0
         if need > self.pool.num_free_blocks - free_hits:
             return False
         if request.request_id not in self.block_tables:
