@@ -12,17 +12,16 @@ from kvledger.planner.memory_wall import (DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY
 
 
 def request_rate(text: str) -> float | str:
-    """``--request-rate``: a positive finite number of requests/s, ``inf`` or ``trace``."""
+    """``--request-rate``: a positive finite number of requests/s, or ``trace``. Unlike ``bench
+    serve``, not ``inf``: every request at one instant has no arrival process to simulate."""
     if text == "trace":
         return "trace"
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number, 'inf' or 'trace'") from None
-    if text.strip().lower() in ("inf", "+inf", "infinity"):
-        return math.inf
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of requests/s or 'trace'") from None
     if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number of requests/s, 'inf' or 'trace', got {text}")
+        raise argparse.ArgumentTypeError(f"must be a positive finite number of requests/s or 'trace', got {text}")
     return value
 
 
@@ -46,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="with --num-prompts: rows at random with --seed, or the first ones (default random)")
     p.add_argument("--length-scale", type=positive_float, default=1.0, help="multiply lengths by this (default 1)")
     p.add_argument("--request-rate", type=request_rate, default="trace",
-                   help="requests/s (Poisson), 'inf', or 'trace' for the trace's timestamps (default trace)")
+                   help="requests/s (Poisson) or 'trace' for the trace's timestamps (default trace)")
     p.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of arrival gaps (default 1)")
     p.add_argument("--time-scale", type=positive_float, default=1.0,
                    help="with --request-rate trace: divide the trace's times by this (default 1)")
@@ -210,10 +209,11 @@ def report(out: dict[str, Any]) -> str:
     if len(out["per_replica"]) > 1:
         lines.append("per replica hit rate: " + ", ".join(f"{r['prefix_cache_hit_rate']:.1%}"
                                                           for r in out["per_replica"]))
-    verdict = ("SATURATED: arrivals outpace service, the queue grows without bound" if out["saturated"]
-               else "not saturated")
-    lines.append(f"{verdict}; saturation at about {out['saturation_rate']:.2f} req/s "
-                 f"({out['saturation_rate_basis']})")
+    if out["saturated"]:
+        lines.append(f"SATURATED: arrivals ({out['arrival_rate']:.2f} req/s) outpace service, the queue grows "
+                     f"without bound; saturation starts at about {out['saturation_rate']:.2f} req/s")
+    else:
+        lines.append("not saturated: the queue stays bounded")
     if "slo_met" in out:
         lines.append(f"SLO {'met' if out['slo_met'] else 'missed'}: " + ", ".join(
             f"{k} {t['value_ms']:.1f} ms (limit {t['limit_ms']:.0f})" for k, t in out["slo"]["targets"].items())

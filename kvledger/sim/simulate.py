@@ -98,29 +98,29 @@ def result_of(r: SimRequest) -> RequestResult:
 def saturation(requests: list[SimRequest], replicas: list[Replica], metrics: ServingMetrics) -> dict[str, Any]:
     """Whether arrivals outpace service, and the request rate at which that starts.
 
-    Saturated: over the second half of the arrival window fewer than 90% as many requests finish
-    as arrive, and at the last arrival more requests are in the system than the replicas ever ran
-    at once (x 1.5): a queue that grows, not long requests in flight. The saturation rate is the
-    service rate: when saturated, the requests finished per second of the run (the engine busy
-    throughout); otherwise the request throughput divided by the busiest replica's busy share, a
-    lower bound (batches grow with load)."""
+    The queue is the requests that have arrived and have no first token yet. Saturated: over the
+    second half of the arrival window it grows by more than a tenth of the requests that arrive
+    in that half (and by at least 8): a stable system keeps it near ``rate x TTFT``, an overloaded
+    one adds ``(arrival rate - service rate) x t``. The saturation rate, given when saturated, is
+    the service rate: requests finished per second of the run, the replicas busy throughout
+    (arrivals above it queue without bound). Unsaturated runs give none: with continuous batching
+    a busy share says nothing about capacity (a batch of one keeps a card busy)."""
     arrivals = np.sort(np.fromiter((r.arrival_time for r in requests), float, len(requests)))
-    finishes = np.sort(np.fromiter((r.finish_time for r in requests), float, len(requests)))
+    firsts = np.sort(np.fromiter((r.first_token_time for r in requests), float, len(requests)))
     last = float(arrivals[-1]) if len(arrivals) else 0.0
     mid = last / 2
-    arrived = np.searchsorted(arrivals, last, "right") - np.searchsorted(arrivals, mid, "right")
-    finished = np.searchsorted(finishes, last, "right") - np.searchsorted(finishes, mid, "right")
-    in_system = np.searchsorted(arrivals, last, "right") - np.searchsorted(finishes, last, "right")
-    peak_running = sum(max(rep.series.running, default=0) for rep in replicas)
-    saturated = bool(last > 0 and arrived >= 8 and finished < 0.9 * arrived and in_system > 1.5 * max(peak_running, 1))
+
+    def queued(t: float) -> int:
+        return int(np.searchsorted(arrivals, t, "right") - np.searchsorted(firsts, t, "right"))
+
+    arrived = int(np.searchsorted(arrivals, last, "right") - np.searchsorted(arrivals, mid, "right"))
+    growth = queued(last) - queued(mid)
+    saturated = bool(last > 0 and growth >= 8 and growth > 0.1 * arrived)
     duration = metrics.duration_s
     busy = max((rep.busy_s for rep in replicas), default=0.0) / duration if duration else 0.0
-    if saturated:
-        rate, basis = metrics.completed / duration, "service rate while saturated"
-    else:
-        rate, basis = metrics.request_throughput / max(busy, 1e-9), "request throughput / busy share (lower bound)"
-    return {"saturated": saturated, "saturation_rate": rate, "saturation_rate_basis": basis, "busy_share": busy,
-            "arrival_rate": len(requests) / last if last > 0 else float("inf")}
+    return {"saturated": saturated, "saturation_rate": metrics.completed / duration if saturated else None,
+            "queue_growth": growth, "busy_share": busy,
+            "arrival_rate": len(requests) / last if last > 0 else None}
 
 
 def _downsample(values: list, n: int = SERIES_POINTS) -> list:
