@@ -35,13 +35,13 @@ def test_replay_of_a_recorded_engine_run_is_identical():
     from kvledger.engine.llm_engine import LLMEngine
     from kvledger.engine.sampling_params import SamplingParams
 
-    config = EngineConfig(model="smollm2-135m", dtype="float32", block_size=16, num_gpu_blocks_override=22,
-                          max_num_batched_tokens=64, max_num_seqs=8, max_model_len=352)
+    config = EngineConfig(model="smollm2-135m", dtype="float32", block_size=16, num_gpu_blocks_override=14,
+                          max_num_batched_tokens=48, max_num_seqs=8, max_model_len=224)
     engine = LLMEngine(config)
-    shared = list(range(1000, 1048))  # three full blocks every prompt starts with
-    prompts = [shared + [2000 + 100 * i + j for j in range(9 + 7 * (i % 5))] for i in range(10)]
-    max_tokens = [30 + 5 * (i % 4) for i in range(10)]
-    arrive_at = {0: range(6), 3: [6], 9: [7], 16: [8], 24: [9]}  # step -> requests added before it
+    shared = list(range(1000, 1032))  # two full blocks every prompt starts with
+    prompts = [shared + [2000 + 100 * i + j for j in range(5 + 5 * (i % 5))] for i in range(8)]
+    max_tokens = [16 + 4 * (i % 4) for i in range(8)]
+    arrive_at = {0: range(5), 2: [5], 6: [6], 11: [7]}  # step -> requests added before it
     records = engine.step_records = []
     first_step: dict[str, int] = {}
     finish_step: dict[str, int] = {}
@@ -68,7 +68,7 @@ def test_replay_of_a_recorded_engine_run_is_identical():
     requests = [make_request(i, len(prompts[i]), max_tokens[i], start[k], prompt_token_ids=prompts[i],
                              request_id=f"r{i}") for k, ids in arrive_at.items() for i in ids]
     requests.sort(key=lambda r: (r.arrival_time, r.uid))
-    fleet = Fleet(config, 22, lambda: RecordedStepTimes(walls), replicas=1, router="round-robin")
+    fleet = Fleet(config, 14, lambda: RecordedStepTimes(walls), replicas=1, router="round-robin")
     res = simulate(requests, fleet, record_steps=True)
     replica = res.replicas[0]
 
