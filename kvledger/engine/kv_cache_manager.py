@@ -10,6 +10,7 @@ full blocks are hashed and shared; a request's last, partly filled block is its 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 from kvledger.engine.block_pool import BlockHash, BlockPool, blocks_for, hash_block
 from kvledger.engine.sequence import Request
@@ -141,6 +142,21 @@ class KVCacheManager:
     def forget(self, request_id: str) -> None:
         """Drop memoised hashes of a request that left the engine."""
         self._hashes.pop(request_id, None)
+
+    def tokens_used(self, running: Iterable[Request]) -> int:
+        """Tokens with K/V in allocated blocks, a shared block counted once; O(running requests).
+
+        The running requests are the ones holding blocks, and each one's table covers exactly
+        its computed tokens. A block is shared only as a full prefix-cache hit, which lies within
+        the computed tokens of every holder, so the sum of computed tokens counts each extra
+        reference to a block once, ``block_size`` tokens each time."""
+        tables = self.block_tables
+        computed = references = 0
+        for request in running:
+            computed += request.num_computed_tokens
+            references += len(tables[request.request_id])
+        allocated = self.pool.num_blocks - self.pool.num_free_blocks
+        return computed - (references - allocated) * self.block_size
 
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.block_tables)

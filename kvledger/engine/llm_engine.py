@@ -307,19 +307,9 @@ class LLMEngine:
         )
 
     def _tokens_used(self) -> int:
-        """Tokens with K/V in allocated blocks, a shared block counted once; O(running requests).
-
-        The running requests are the ones holding blocks, and each one's table covers exactly
-        its computed tokens. A block is shared only as a full prefix-cache hit, which lies within
-        the computed tokens of every holder, so the sum of computed tokens counts each extra
-        reference to a block once, ``block_size`` tokens each time."""
-        tables = self.kv_manager.block_tables
-        computed = references = 0
-        for request in self.scheduler.running:
-            computed += request.num_computed_tokens
-            references += len(tables[request.request_id])
-        allocated = self.pool.num_blocks - self.pool.num_free_blocks
-        return computed - (references - allocated) * self.block_size
+        """Tokens with K/V in allocated blocks, a shared block counted once (see
+        :meth:`KVCacheManager.tokens_used`)."""
+        return self.kv_manager.tokens_used(self.scheduler.running)
 
     def check_integrity(self) -> None:
         """Assert the block pool is consistent with every request's block table, the running

@@ -162,7 +162,7 @@ class Replica:
         bs = self.config.block_size
         s.time_s.append(now)
         s.blocks_allocated.append(pool.num_blocks - pool.num_free_blocks)
-        s.token_blocks.append(sum(r.num_computed_tokens for r in sched.running) / bs)
+        s.token_blocks.append(self.kv.tokens_used(sched.running) / bs)
         s.cached_free_blocks.append(pool.num_cached_free_blocks)
         s.running.append(len(sched.running))
         s.waiting.append(len(sched.waiting))
