@@ -138,10 +138,17 @@ def test_pool_is_plans_and_json_has_the_interface_keys(flags):
     assert "slo_met" not in out and "replicas_needed" not in out
 
 
-def test_override_sets_the_pool():
+def test_override_sets_the_pool_and_the_plot_is_drawn(tmp_path):
+    png = tmp_path / "sim.png"
     out = sim_json("llama-3.1-8b", "--gpu", "h100-80gb", "--num-gpu-blocks-override", "700",
-                   "--workload", str(AZURE_CONV), "--num-prompts", "40", "--request-rate", "20")
+                   "--workload", str(AZURE_CONV), "--num-prompts", "40", "--request-rate", "20", "--plot", str(png))
     assert out["num_blocks"] == 700 and out["peak_blocks_allocated"] <= 700
+    series = out["series"][0]
+    assert max(series["blocks_allocated"]) <= 700 and max(series["token_blocks"]) <= max(series["blocks_allocated"])
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert_one_line_error(kvledger("simulate", "llama-3.1-8b", "--gpu", "h100-80gb", "--workload", str(AZURE_CONV),
+                                   "--plot", str(tmp_path / "sim.pdf")), ".png")
 
 
 def test_same_requests_and_arrivals_as_bench_serve():
@@ -162,6 +169,16 @@ def test_same_requests_and_arrivals_as_bench_serve():
     assert sorted(r.arrival_time for r in reqs) == sorted(times) and len(set(times)) == 50
     assert setup(build_parser().parse_args(["simulate", "llama-3.1-8b", "--gpu", "h100-80gb", "--workload",
                                             "x"]))[1].router == out["router"]
+
+
+def test_a_shared_prefix_is_cached_once():
+    """Azure prompts carry no hashes: no hits. With a 48-token system prompt (3 blocks; the shortest
+    of these prompts has 64 tokens), every request after the first finds those blocks."""
+    common = ("llama-3.1-8b", "--gpu", "h100-80gb", "--workload", str(AZURE_CONV), "--num-prompts", "60",
+              "--request-rate", "2", "--max-model-len", "8192")
+    assert sim_json(*common)["prefix_cache_hits"] == 0
+    shared = sim_json(*common, "--shared-prefix-tokens", "48")
+    assert shared["prefix_cache_hits"] == 59 * 48 and shared["num_preemptions"] == 0
 
 
 def test_simulate_never_imports_torch():

@@ -50,6 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--time-scale", type=positive_float, default=1.0,
                    help="with --request-rate trace: divide the trace's times by this (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed for row sampling and arrivals (default 0)")
+    p.add_argument("--shared-prefix-tokens", type=positive_int, default=0, metavar="N",
+                   help="every prompt starts with the same N tokens (a system prompt; prefix caching shares them)")
     p.add_argument("--replicas", type=positive_int, default=1, help="identical replicas behind the router (default 1)")
     p.add_argument("--router", default="least-loaded", metavar="NAME",
                    help=f"{', '.join(ROUTERS)} (default least-loaded)")
@@ -97,7 +99,7 @@ def setup(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     if args.profile:
         profile = Profile.load(args.profile)
         kv_dtype = args.kv_cache_dtype or profile.kv_cache_dtype
-        profile.check_model(spec, kv_dtype, tp)
+        profile.check_model(spec, tp)
         model = profile.step_model(spec, kv_dtype, args.profile)
         if args.num_gpu_blocks_override:
             num_blocks = args.num_gpu_blocks_override
@@ -155,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
                                      burstiness=args.burstiness, time_scale=args.time_scale, max_model_len=max_len)
 
     def make():
-        return build_requests(sampled, times, args.length_scale)
+        return build_requests(sampled, times, args.length_scale, args.shared_prefix_tokens)
 
     if args.find_replicas:
         n, res, below = find_replicas(make, fleet, slo, args.progress)

@@ -8,6 +8,8 @@ The scheduler and the KV cache manager only ask a request for :attr:`Request.num
   ``[i b, (i+1) b)``, which lie in hash blocks ``start // L .. (end-1) // L`` of ``L`` tokens
   each (512 scaled by ``--length-scale``, as ``kvledger bench serve`` builds its prompts), so
   its key is those ids and the offset into the first. Equal ids, equal keys, prefix hits;
+* a shared prefix (``--shared-prefix-tokens``, a system prompt every request starts with)
+  answers with the same key in every request for the blocks it fills;
 * everything else (prompts without hashes, output tokens, a prompt's tail past its hash ids)
   is unique to the request: key ``(-1 - uid, i)``. A preempted request finds its own blocks
   again, as in the engine; no two requests share them.
@@ -22,6 +24,10 @@ from typing import Sequence
 from kvledger.engine.sampling_params import SamplingParams
 from kvledger.engine.sequence import Request
 from kvledger.workload.traces import MOONCAKE_BLOCK_TOKENS
+
+
+SHARED_PREFIX_KEY = -(2**62)
+"""Key of the shared prefix's blocks (request keys are ``-1 - uid``, hash ids are non-negative)."""
 
 
 def hash_block_tokens(length_scale: float = 1.0) -> int:
@@ -46,6 +52,8 @@ class SimRequest(Request):
     finish_step: int | None = None
     token_times: list[float] = field(default_factory=list)
     replica: int = 0
+    shared_prefix: int = 0
+    """Leading prompt tokens every request shares (whole blocks of them are shared)."""
 
     num_tokens: int = 0  # type: ignore[assignment]
     """Prompt plus output tokens so far (a field here, kept up to date by :meth:`add_token`: the
@@ -63,6 +71,8 @@ class SimRequest(Request):
     def block_content(self, index: int, block_size: int) -> Sequence[int]:
         start, end = index * block_size, (index + 1) * block_size
         if end <= self.prompt_len:
+            if end <= self.shared_prefix:
+                return (SHARED_PREFIX_KEY, index)
             if self.prompt_token_ids:
                 return self.prompt_token_ids[start:end]
             if self.hash_ids:
@@ -80,11 +90,12 @@ class SimRequest(Request):
 
 def make_request(uid: int, prompt_len: int, output_len: int, arrival_s: float, *,
                  hash_ids: Sequence[int] | None = None, length_scale: float = 1.0,
-                 prompt_token_ids: list[int] | None = None, request_id: str | None = None) -> SimRequest:
+                 prompt_token_ids: list[int] | None = None, request_id: str | None = None,
+                 shared_prefix: int = 0) -> SimRequest:
     """A :class:`SimRequest` arriving at ``arrival_s`` virtual seconds."""
     if prompt_len < 1 or output_len < 1 or not math.isfinite(arrival_s):
         raise ValueError(f"request {uid}: prompt {prompt_len}, output {output_len}, arrival {arrival_s}")
     return SimRequest(request_id=request_id or str(uid), prompt_token_ids=list(prompt_token_ids or []),
                       sampling_params=SamplingParams(max_tokens=output_len, ignore_eos=True), arrival=uid,
                       arrival_time=arrival_s, uid=uid, prompt_len=prompt_len, output_len=output_len,
-                      hash_ids=hash_ids, hash_tokens=hash_block_tokens(length_scale))
+                      hash_ids=hash_ids, hash_tokens=hash_block_tokens(length_scale), shared_prefix=shared_prefix)

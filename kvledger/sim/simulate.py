@@ -56,10 +56,12 @@ class SimResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def build_requests(sampled: Sequence[SampledRequest], times: Sequence[float], length_scale: float = 1.0
-                   ) -> list[SimRequest]:
-    """Fresh simulated requests (their state changes as they run), sorted by arrival."""
-    reqs = [make_request(i, r.input_len, r.output_len, t, hash_ids=r.hash_ids, length_scale=length_scale)
+def build_requests(sampled: Sequence[SampledRequest], times: Sequence[float], length_scale: float = 1.0,
+                   shared_prefix: int = 0) -> list[SimRequest]:
+    """Fresh simulated requests (their state changes as they run), sorted by arrival; the first
+    ``shared_prefix`` tokens of every prompt are the same."""
+    reqs = [make_request(i, r.input_len, r.output_len, t, hash_ids=r.hash_ids, length_scale=length_scale,
+                         shared_prefix=shared_prefix)
             for i, (r, t) in enumerate(zip(sampled, times))]
     reqs.sort(key=lambda r: (r.arrival_time, r.uid))
     return reqs

@@ -264,8 +264,9 @@ class Profile:
         profile.coefficients = coef
         return profile
 
-    def check_model(self, spec: ModelSpec, kv_cache_dtype: str, tensor_parallel_size: int) -> None:
-        """Refuse to use this profile for another model, KV dtype or TP size (one line, the numbers)."""
+    def check_model(self, spec: ModelSpec, tensor_parallel_size: int) -> None:
+        """Refuse to use this profile for another model or TP size (one line, the numbers). Another KV
+        dtype is allowed: the KV terms are priced per byte."""
         if ModelFingerprint.of(spec) != self.fingerprint:
             raise KVLedgerError(f"the profile was measured on {self.model} ({self.device}), not {spec.name}: "
                                 f"its step times do not apply; calibrate {spec.name} or simulate with --gpu")
