@@ -144,7 +144,9 @@ class Replica:
             self.blocks_allocated_peak = allocated
         done = []
         for request in self._samplers:
-            request.add_token(now)
+            request.num_output += 1
+            request.num_tokens += 1
+            request.token_times.append(now)
             if request.first_token_step is None:
                 request.first_token_step = step
                 request.first_token_time = now

@@ -56,17 +56,12 @@ class SimRequest(Request):
     """Leading prompt tokens every request shares (whole blocks of them are shared)."""
 
     num_tokens: int = 0  # type: ignore[assignment]
-    """Prompt plus output tokens so far (a field here, kept up to date by :meth:`add_token`: the
-    scheduler reads it for every running request in every step)."""
+    """Prompt plus output tokens so far: a field here, not the engine's property (the scheduler
+    reads it for every running request in every step); the driver counts each token into
+    ``num_output``, ``num_tokens`` and ``token_times`` together."""
 
     def __post_init__(self) -> None:
         self.num_tokens = self.prompt_len + self.num_output
-
-    def add_token(self, now: float) -> None:
-        """One output token, emitted at ``now``."""
-        self.num_output += 1
-        self.num_tokens += 1
-        self.token_times.append(now)
 
     def block_content(self, index: int, block_size: int) -> Sequence[int]:
         start, end = index * block_size, (index + 1) * block_size
