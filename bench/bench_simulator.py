@@ -32,9 +32,9 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import free_port, wait_ready  # noqa: E402
+from ceilings import TRACES  # noqa: E402
 
 BIN = Path(sys.executable).parent
-TRACES = Path(os.environ.get("KVLEDGER_TRACES", "/work/shared/data/traces"))
 STATS = ("mean", "p50", "p90", "p99")
 
 
