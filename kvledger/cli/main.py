@@ -28,6 +28,8 @@ SUBCOMMANDS = [
     "kvledger.cli.kv_quality",
     "kvledger.cli.serve",
     "kvledger.cli.bench",
+    "kvledger.cli.simulate",
+    "kvledger.cli.calibrate",
 ]
 
 

@@ -74,6 +74,20 @@ class BlockPool:
         """The block holding ``block_hash``, if cached."""
         return self._cached.get(block_hash) if self.enable_caching else None
 
+    def cached_prefix(self, hashes: Iterable[BlockHash]) -> list[int]:
+        """The blocks holding the longest run of leading ``hashes`` that is cached (a tight loop:
+        the scheduler asks it for the head of the waiting queue every step)."""
+        if not self.enable_caching:
+            return []
+        get = self._cached.get
+        hits: list[int] = []
+        for block_hash in hashes:
+            block_id = get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
     # ---- ownership ------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks from the front of the free queue, evicting their cached prefixes."""

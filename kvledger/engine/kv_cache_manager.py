@@ -10,6 +10,7 @@ full blocks are hashed and shared; a request's last, partly filled block is its 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 from kvledger.engine.block_pool import BlockHash, BlockPool, blocks_for, hash_block
 from kvledger.engine.sequence import Request
@@ -44,8 +45,7 @@ class KVCacheManager:
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            tokens = request.token_ids_slice(i * bs, (i + 1) * bs)
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+            hashes.append(hash_block(hashes[-1] if hashes else None, request.block_content(i, bs)))
         return hashes[:num_full_blocks]
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -57,12 +57,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[int] = []
-        for block_hash in self._block_hashes(request, max_blocks):
-            block_id = self.pool.lookup(block_hash)
-            if block_id is None:
-                break
-            hits.append(block_id)
+        hits = self.pool.cached_prefix(self._block_hashes(request, max_blocks))
         return hits, len(hits) * self.block_size
 
     def num_blocks_needed(self, num_tokens: int) -> int:
@@ -74,12 +69,19 @@ class KVCacheManager:
         ``computed_blocks`` are prefix-cache hits of a request being admitted (its
         ``num_computed_tokens`` already counts them). Nothing changes when it returns False.
         """
-        computed_blocks = computed_blocks or []
-        table = self.block_tables.get(request.request_id, [])
         total_tokens = request.num_computed_tokens + num_new_tokens
+        table = self.block_tables.get(request.request_id)
+        if table is not None and not computed_blocks and -(-total_tokens // self.block_size) <= len(table):
+            # the common decode step: its blocks already hold the new tokens (the simulator's hot path)
+            if total_tokens // self.block_size > self._num_cached[request.request_id]:
+                self._cache_full_blocks(request, total_tokens)
+            return True
+        computed_blocks = computed_blocks or []
+        table = table if table is not None else []
         need = self.num_blocks_needed(total_tokens) - len(table) - len(computed_blocks)
         # hits that are currently free leave the free queue when touched
-        free_hits = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
+        blocks = self.pool.blocks
+        free_hits = sum([blocks[b].ref_cnt == 0 for b in computed_blocks]) if computed_blocks else 0
         if need > self.pool.num_free_blocks - free_hits:
             return False
         if request.request_id not in self.block_tables:
@@ -140,6 +142,21 @@ class KVCacheManager:
     def forget(self, request_id: str) -> None:
         """Drop memoised hashes of a request that left the engine."""
         self._hashes.pop(request_id, None)
+
+    def tokens_used(self, running: Iterable[Request]) -> int:
+        """Tokens with K/V in allocated blocks, a shared block counted once; O(running requests).
+
+        The running requests are the ones holding blocks, and each one's table covers exactly
+        its computed tokens. A block is shared only as a full prefix-cache hit, which lies within
+        the computed tokens of every holder, so the sum of computed tokens counts each extra
+        reference to a block once, ``block_size`` tokens each time."""
+        tables = self.block_tables
+        computed = references = 0
+        for request in running:
+            computed += request.num_computed_tokens
+            references += len(tables[request.request_id])
+        allocated = self.pool.num_blocks - self.pool.num_free_blocks
+        return computed - (references - allocated) * self.block_size
 
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.block_tables)

@@ -29,7 +29,7 @@ from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.config import CPU_KV_CACHE_MAX, CPU_KV_CACHE_SHARE, GPU_MEMORY_UTILIZATION, EngineConfig
 from kvledger.engine.kv_cache_manager import KVCacheManager
 from kvledger.engine.model_runner import ModelRunner
-from kvledger.engine.outputs import CompletionOutput, KVLedger, RequestOutput
+from kvledger.engine.outputs import CompletionOutput, KVLedger, RequestOutput, StepRecord
 from kvledger.engine.sampler import sample
 from kvledger.engine.sampling_params import SamplingParams
 from kvledger.engine.scheduler import Scheduler, SchedulerOutput
@@ -132,6 +132,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
         self.blocks_allocated_peak = 0
+        self.num_steps = 0
+        self.step_records: list[StepRecord] | None = None
+        """Set to a list to have every step that ran appended to it (batch, tokens, wall time)."""
         self.vocab_size = int(self.hf_config["vocab_size"])
         # draws of requests without their own seed (vLLM's --seed); None leaves them to torch's global generator
         self.generator = None if config.seed is None else torch.Generator(self.device).manual_seed(config.seed)
@@ -212,11 +215,16 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and run one batch; outputs for every request that got a new token."""
+        start = time.perf_counter()
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
+        batch = ([(s.request.request_id, s.request.num_computed_tokens, s.num_new_tokens) for s in out.scheduled]
+                 if self.step_records is not None else [])
         try:
+            model_start = time.perf_counter()
             samplers, logits = self.runner.execute(out, self.kv_manager.block_tables)
+            model_s = time.perf_counter() - model_start
         except BaseException:
             self._abort_failed_step(out)
             raise
@@ -234,6 +242,11 @@ class LLMEngine:
             outputs.append(self._make_output(request, token))
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
+        if self.step_records is not None:
+            self.step_records.append(StepRecord(self.num_steps, batch, len(requests), start,
+                                                time.perf_counter() - start, model_s,
+                                                [r.request_id for r in out.preempted]))
+        self.num_steps += 1
         return outputs
 
     def _abort_failed_step(self, out: SchedulerOutput) -> None:
@@ -315,19 +328,9 @@ class LLMEngine:
         )
 
     def _tokens_used(self) -> int:
-        """Tokens with K/V in allocated blocks, a shared block counted once; O(running requests).
-
-        The running requests are the ones holding blocks, and each one's table covers exactly
-        its computed tokens. A block is shared only as a full prefix-cache hit, which lies within
-        the computed tokens of every holder, so the sum of computed tokens counts each extra
-        reference to a block once, ``block_size`` tokens each time."""
-        tables = self.kv_manager.block_tables
-        computed = references = 0
-        for request in self.scheduler.running:
-            computed += request.num_computed_tokens
-            references += len(tables[request.request_id])
-        allocated = self.pool.num_blocks - self.pool.num_free_blocks
-        return computed - (references - allocated) * self.block_size
+        """Tokens with K/V in allocated blocks, a shared block counted once (see
+        :meth:`KVCacheManager.tokens_used`)."""
+        return self.kv_manager.tokens_used(self.scheduler.running)
 
     def check_integrity(self) -> None:
         """Assert the block pool is consistent with every request's block table, the running

@@ -70,3 +70,29 @@ class KVLedger:
     kv_cache_dtype: str = "float32"
     scale_bytes_per_token: int = 0
     scale_bytes: int = 0
+
+
+@dataclass
+class StepRecord:
+    """One engine step as it ran: the batch, its tokens and its times (seconds).
+
+    ``batch`` holds ``(request_id, num_computed_tokens, num_new_tokens)`` per scheduled request,
+    ``num_computed_tokens`` as it was before the step (the context the new tokens attend to
+    besides themselves). ``preempted`` are the requests the scheduler preempted to make room.
+    ``wall_s`` is the whole ``step()`` (scheduling, model, sampling, detokenizing), ``model_s``
+    the model run alone; the rest is the CPU overhead of the step. ``start_s`` is
+    ``time.perf_counter()`` when the step began. The simulator emits the same records, with
+    virtual times, so a recorded run and its replay compare step by step.
+    """
+
+    index: int
+    batch: list[tuple[str, int, int]]
+    num_samples: int
+    start_s: float
+    wall_s: float
+    model_s: float = 0.0
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, _, n in self.batch)

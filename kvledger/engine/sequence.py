@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from kvledger.engine.sampling_params import SamplingParams
 
@@ -61,6 +61,13 @@ class Request:
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt:end - n_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
+
+    def block_content(self, index: int, block_size: int) -> Sequence[int]:
+        """What identifies the content of full block ``index`` for the prefix cache: its token ids.
+
+        The scheduler never needs more than this and :attr:`num_tokens`, so a request known only
+        by lengths and block hashes (the simulator's) answers with keys of its own instead."""
+        return self.token_ids_slice(index * block_size, (index + 1) * block_size)
 
     @property
     def is_finished(self) -> bool:

@@ -1,0 +1,95 @@
+"""``kvledger calibrate``: measure the real engine over a grid of batch shapes, fit the step model,
+write the profile that ``kvledger simulate --profile`` uses."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvledger.cli.common import positive_int
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "calibrate", help="fit the simulator's step-time model to the real engine on this device",
+        description="Run the engine over prefill chunks and decode batches, fit the step model's coefficients by "
+                    "non-negative least squares (model run and CPU overhead apart), print the fit's error per "
+                    "shape and write a JSON profile for 'kvledger simulate --profile'.")
+    p.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF model directory")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and activations dtype (default float32)")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda if present)")
+    p.add_argument("--out", default="profile.json", metavar="FILE", help="profile to write (default profile.json)")
+    p.add_argument("--quick", action="store_true", help="a small grid, one repetition: seconds, a rougher fit")
+    p.add_argument("--reps", type=positive_int, default=None, help="repetitions per shape (default 3, quick 1)")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
+                   help="the engine's token budget per step (default 2048, the engine's)")
+    p.add_argument("--kv-cache-memory", default="1GiB", metavar="BYTES",
+                   help="KV pool of the measuring engine (default 1GiB)")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON instead of the table")
+    p.set_defaults(func=run)
+
+
+def device_name(engine) -> str:
+    """The device the engine runs on, in words: the GPU's name, or the CPU's model and threads."""
+    import platform
+
+    import torch
+
+    if engine.device.type == "cuda":
+        return torch.cuda.get_device_name(engine.device)
+    model = platform.processor() or "cpu"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu: {model}, {torch.get_num_threads()} threads"
+
+
+def run(args: argparse.Namespace) -> int:
+    from datetime import datetime, timezone
+
+    from tabulate import tabulate
+
+    from kvledger.cli.common import print_json
+    from kvledger.engine.config import EngineConfig
+    from kvledger.engine.llm_engine import LLMEngine
+    from kvledger.engine.sampling_params import SamplingParams
+    from kvledger.sim.calibrate import fit, grid, measure
+    from kvledger.sim.step_model import ModelFingerprint, ModelGeometry, Profile
+
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                          max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+                          max_model_len=2048)
+    engine = LLMEngine(config)
+    geometry = ModelGeometry.of(engine.spec, engine.kv_cache_dtype)
+    shapes = grid(args.quick, args.max_num_batched_tokens)
+    reps = args.reps or (1 if args.quick else 3)
+    measure(engine, [shapes[0]], geometry, reps=1, vocab=engine.vocab_size, max_model_len=engine.max_model_len,
+            sampling_params=lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))  # warm-up
+    measured = measure(engine, shapes, geometry, reps=reps, vocab=engine.vocab_size,
+                       max_model_len=engine.max_model_len,
+                       sampling_params=lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                       progress=(lambda s: print(f"measuring {s}", file=sys.stderr)) if not args.json else None)
+    coefficients, report = fit(measured)
+    profile = Profile(device=device_name(engine), model=engine.spec.name, fingerprint=ModelFingerprint.of(engine.spec),
+                      dtype=args.dtype, kv_cache_dtype=engine.kv_cache_dtype, tensor_parallel_size=1,
+                      block_size=engine.block_size, num_blocks=engine.num_blocks, coefficients=coefficients,
+                      fit=report, created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    profile.save(args.out)
+    if args.json:
+        print_json(profile.to_json())
+        return 0
+    rows = [[r["shape"], r["steps"], f"{r['measured_ms']:.2f}", f"{r['predicted_ms']:.2f}", f"{r['error_pct']:+.1f}"]
+            for r in report]
+    print(f"{profile.model} ({args.dtype}) on {profile.device}: {sum(r['steps'] for r in report)} steps measured")
+    print(tabulate(rows, headers=["shape", "steps", "measured ms", "fit ms", "error %"], disable_numparse=True))
+    errors = [abs(r["error_pct"]) for r in report]
+    print(f"fit error: median {sorted(errors)[len(errors) // 2]:.1f}%, max {max(errors):.1f}%")
+    print("coefficients: " + ", ".join(f"{k} {v:.3g}" for k, v in coefficients.items() if v))
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,226 @@
+"""``kvledger simulate``: a trace through the engine's own scheduler and block pool on a virtual clock."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from kvledger.cli.common import add_kv_cache_dtype, fraction, positive_float, positive_int, size
+from kvledger.planner.memory_wall import (DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION,
+                                          DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS)
+
+
+def request_rate(text: str) -> float | str:
+    """``--request-rate``: a positive finite number of requests/s, or ``trace``. Unlike ``bench
+    serve``, not ``inf``: every request at one instant has no arrival process to simulate."""
+    if text == "trace":
+        return "trace"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of requests/s or 'trace'") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number of requests/s or 'trace', got {text}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from kvledger.sim.routers import ROUTERS
+
+    p = subparsers.add_parser(
+        "simulate", help="simulate serving a trace: TTFT/TPOT/ITL/E2EL, preemptions, prefix hits, replicas needed",
+        description="Replay a trace through the engine's own scheduler, KV cache manager and block pool on a "
+                    "virtual clock, with a step-time model (GPU catalog or a calibrated profile) in place of the "
+                    "model. Metrics have 'kvledger bench serve's definitions; requests and arrivals are the ones "
+                    "it draws with the same flags.")
+    p.add_argument("model", help="preset name (e.g. llama-3.1-8b), config.json or model directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--gpu", metavar="NAME", help="GPU from the catalog (default step model and memory wall)")
+    src.add_argument("--profile", metavar="FILE", help="step profile written by 'kvledger calibrate'")
+    p.add_argument("--workload", "--trace", dest="workload", required=True, metavar="FILE",
+                   help="trace: Azure CSV, Mooncake JSONL (hash_ids give prefix reuse) or generic CSV/JSONL")
+    p.add_argument("--num-prompts", type=positive_int, default=None, help="requests to replay (default: every row)")
+    p.add_argument("--sample", choices=["random", "head"], default="random",
+                   help="with --num-prompts: rows at random with --seed, or the first ones (default random)")
+    p.add_argument("--length-scale", type=positive_float, default=1.0, help="multiply lengths by this (default 1)")
+    p.add_argument("--request-rate", type=request_rate, default="trace",
+                   help="requests/s (Poisson) or 'trace' for the trace's timestamps (default trace)")
+    p.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of arrival gaps (default 1)")
+    p.add_argument("--time-scale", type=positive_float, default=1.0,
+                   help="with --request-rate trace: divide the trace's times by this (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed for row sampling and arrivals (default 0)")
+    p.add_argument("--shared-prefix-tokens", type=positive_int, default=0, metavar="N",
+                   help="every prompt starts with the same N tokens (a system prompt; prefix caching shares them)")
+    p.add_argument("--replicas", type=positive_int, default=1, help="identical replicas behind the router (default 1)")
+    p.add_argument("--router", default="least-loaded", metavar="NAME",
+                   help=f"{', '.join(ROUTERS)} (default least-loaded)")
+    p.add_argument("--slo", default=None, metavar="SPEC",
+                   help="targets, e.g. ttft_p99=2s,tpot_p99=100ms[,goodput=99%%] (ttft/tpot/itl/e2el, pNN or mean)")
+    p.add_argument("--find-replicas", action="store_true",
+                   help="search the smallest --replicas that meets --slo (default SLO ttft_p99=2s,tpot_p99=100ms)")
+    g = p.add_argument_group("engine (vLLM flag names; defaults are vLLM's, as in plan)")
+    g.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE)
+    g.add_argument("--max-num-seqs", type=positive_int, default=DEFAULT_MAX_NUM_SEQS)
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    g.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="prompts are cut so prompt + output fits (default: the model's context, capped by the pool)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    add_kv_cache_dtype(g, default=None)
+    g.add_argument("--gpu-memory-utilization", type=fraction, default=DEFAULT_GPU_MEMORY_UTILIZATION)
+    g.add_argument("--kv-cache-memory", type=size, default=None, metavar="SIZE", help="KV pool bytes per replica")
+    g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None, metavar="N")
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N")
+    p.add_argument("--json", action="store_true", help="print every number as one JSON object")
+    p.add_argument("--plot", metavar="FILE", help="PNG: KV blocks vs the pool, running/waiting, TTFT and TPOT CDFs")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar on stderr (default: on a terminal, for runs of 2,000+ requests)")
+    p.set_defaults(func=run)
+
+
+DEFAULT_FIND_SLO = "ttft_p99=2s,tpot_p99=100ms"
+
+
+def setup(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(ModelSpec, Fleet, SLO or None) from the flags; every bad value is a KVLedgerError."""
+    from kvledger.engine.config import EngineConfig
+    from kvledger.errors import KVLedgerError
+    from kvledger.metrics.serving import parse_slo
+    from kvledger.sim.routers import ROUTERS
+    from kvledger.sim.simulate import Fleet
+    from kvledger.sim.step_model import Profile, StepModel
+    from kvledger.spec import kv_bytes, load_model_spec
+
+    if args.router not in ROUTERS:
+        raise KVLedgerError(f"unknown router {args.router!r}; use one of {', '.join(ROUTERS)}")
+    slo = parse_slo(args.slo) if args.slo else (parse_slo(DEFAULT_FIND_SLO) if args.find_replicas else None)
+    spec = load_model_spec(args.model)
+    tp = args.tensor_parallel_size
+    if args.profile:
+        profile = Profile.load(args.profile)
+        kv_dtype = args.kv_cache_dtype or profile.kv_cache_dtype
+        profile.check_model(spec, tp)
+        model = profile.step_model(spec, kv_dtype, args.profile)
+        if args.num_gpu_blocks_override:
+            num_blocks = args.num_gpu_blocks_override
+        elif args.kv_cache_memory is not None:
+            num_blocks = kv_bytes(spec, kv_dtype, tensor_parallel_size=tp).num_blocks(args.kv_cache_memory,
+                                                                                      args.block_size)
+        elif profile.num_blocks and profile.block_size == args.block_size:
+            num_blocks = profile.num_blocks
+        else:
+            raise KVLedgerError(f"the profile's pool is in blocks of {profile.block_size} tokens; give "
+                                "--num-gpu-blocks-override or --kv-cache-memory for --block-size "
+                                f"{args.block_size}")
+    else:
+        from kvledger.planner.gpus import get_gpu
+        from kvledger.planner.memory_wall import plan_memory
+
+        gpu = get_gpu(args.gpu)
+        kv_dtype = args.kv_cache_dtype or "auto"
+        wall = plan_memory(spec, gpu, gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=kv_dtype,
+                           tensor_parallel_size=tp, block_size=args.block_size,
+                           kv_cache_memory=args.kv_cache_memory,
+                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+        num_blocks = args.num_gpu_blocks_override or wall.num_blocks
+        model = StepModel.from_gpu(spec, gpu, kv_dtype, tp)
+    config = EngineConfig(model=args.model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          enable_prefix_caching=args.enable_prefix_caching, num_gpu_blocks_override=num_blocks,
+                          max_model_len=args.max_model_len)
+    fleet = Fleet(config, num_blocks, lambda: model, args.replicas, args.router, tp)
+    return spec, fleet, slo
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvledger.cli.common import print_json
+    from kvledger.errors import KVLedgerError
+    from kvledger.sim.simulate import build_requests, find_replicas, simulate, summary
+    from kvledger.workload.sampling import sample_requests
+    from kvledger.workload.traces import read_trace
+
+    plt = None
+    if args.plot:
+        from kvledger.plotting import pyplot
+
+        plt = pyplot(args.plot)  # a bad name or a missing matplotlib fails before the run
+    spec, fleet, slo = setup(args)
+    bs = fleet.config.block_size
+    max_len = args.max_model_len or min(spec.max_position_embeddings or fleet.num_blocks * bs, fleet.num_blocks * bs)
+    if max_len > fleet.num_blocks * bs:
+        raise KVLedgerError(f"--max-model-len {max_len} exceeds the pool's {fleet.num_blocks} blocks x {bs} tokens")
+    if max_len < 2:
+        raise KVLedgerError(f"a request needs at least 2 tokens of context; the pool holds {fleet.num_blocks * bs}")
+    trace = read_trace(args.workload)
+    sampled, times = sample_requests(trace, args.num_prompts, seed=args.seed, sample=args.sample,
+                                     length_scale=args.length_scale, request_rate=args.request_rate,
+                                     burstiness=args.burstiness, time_scale=args.time_scale, max_model_len=max_len)
+
+    def make():
+        return build_requests(sampled, times, args.length_scale, args.shared_prefix_tokens)
+
+    if args.find_replicas:
+        n, res, below = find_replicas(make, fleet, slo, args.progress)
+        import dataclasses
+
+        fleet = dataclasses.replace(fleet, replicas=n)
+        out = summary(res, fleet)
+        out.update(replicas_needed=n, gpus_needed=n * fleet.tensor_parallel_size,
+                   headroom=_headroom(res.extra["slo"]),
+                   below={"replicas": n - 1, "slo_met": below.extra["slo"]["slo_met"],
+                          "slo": below.extra["slo"]} if below is not None else None)
+    else:
+        res = simulate(make(), fleet, progress=args.progress, slo=slo)
+        out = summary(res, fleet)
+    out.update(model=spec.name, step_model=fleet.timer_factory().source, trace=trace.name,
+               num_prompts=len(sampled), length_scale=args.length_scale, request_rate=args.request_rate,
+               seed=args.seed, max_model_len=max_len)
+    if plt is not None:
+        from kvledger.sim.plot import plot_run
+
+        plot_run(res, fleet, args.plot)
+    if args.json:
+        print_json(out)
+    else:
+        print(report(out))
+    return 0
+
+
+def _headroom(slo: dict[str, Any]) -> dict[str, float]:
+    """Per target, the share of its limit left unused at the chosen replica count."""
+    return {name: 1 - t["value_ms"] / t["limit_ms"] for name, t in slo["targets"].items()}
+
+
+def report(out: dict[str, Any]) -> str:
+    """The text report of a run."""
+    from tabulate import tabulate
+
+    lines = [f"{out['num_prompts']} requests from {out['trace']} (lengths x{out['length_scale']:g}, rate "
+             f"{out['request_rate']}) on {out['replicas']} x {out['model']} ({out['step_model']}, TP "
+             f"{out['tensor_parallel_size']}), router {out['router']}",
+             f"pool {out['num_blocks']:,} blocks x {out['block_size']} tokens per replica; "
+             f"{out['num_steps']:,} steps, {out['duration_s']:.1f} s simulated in {out['wall_s']:.1f} s", ""]
+    rows = [[name.upper()] + [f"{out[f'{name}_ms'][k]:.2f}" for k in ("mean", "p50", "p90", "p99")]
+            for name in ("ttft", "tpot", "itl", "e2el")]
+    lines.append(tabulate(rows, headers=["ms", "mean", "p50", "p90", "p99"], disable_numparse=True))
+    lines += ["",
+              f"request throughput {out['request_throughput']:.2f} req/s, output {out['output_throughput']:.1f} tok/s, "
+              f"goodput {out['goodput']:.2f} req/s",
+              f"preemptions {out['num_preemptions']}, prefix-cache hit rate {out['prefix_cache_hit_rate']:.1%}, "
+              f"peak blocks allocated {out['peak_blocks_allocated']:,} of {out['num_blocks']:,}"]
+    if len(out["per_replica"]) > 1:
+        lines.append("per replica hit rate: " + ", ".join(f"{r['prefix_cache_hit_rate']:.1%}"
+                                                          for r in out["per_replica"]))
+    if out["saturated"]:
+        lines.append(f"SATURATED: arrivals ({out['arrival_rate']:.2f} req/s) outpace service, the queue grows "
+                     f"without bound; saturation starts at about {out['saturation_rate']:.2f} req/s")
+    else:
+        lines.append("not saturated: the queue stays bounded")
+    if "slo_met" in out:
+        lines.append(f"SLO {'met' if out['slo_met'] else 'missed'}: " + ", ".join(
+            f"{k} {t['value_ms']:.1f} ms (limit {t['limit_ms']:.0f})" for k, t in out["slo"]["targets"].items())
+            + f"; {out['goodput_fraction']:.1%} of requests good")
+    if "replicas_needed" in out:
+        lines.append(f"replicas needed: {out['replicas_needed']} ({out['gpus_needed']} GPUs); headroom "
+                     + ", ".join(f"{k} {v:.0%}" for k, v in out["headroom"].items()))
+    return "\n".join(lines)

@@ -1,0 +1,2 @@
+"""The simulator: the engine's scheduler, KV cache manager and block pool on a virtual clock, a
+step-time model in place of the model runner, fleets of replicas behind routers. Torch-free."""

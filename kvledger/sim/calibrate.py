@@ -1,0 +1,147 @@
+"""Calibration: run the real engine over a grid of batch shapes, fit the step model to its steps.
+
+Every step the engine runs is a row: its :class:`StepRecord` gives the batch (context and new
+tokens per request) and the times. The model-run terms are fitted to ``model_s`` and the CPU
+terms to ``wall_s - model_s``, each by non-negative least squares on relative error, so the
+CPU overhead between model runs is a coefficient of its own. Shapes:
+
+* prefill chunks: ``n`` new tokens on ``c`` cached ones (the ``c`` come from a prefix-cache
+  hit on a prompt run just before), one request per step;
+* decode batches: ``B`` requests decoding at a context of ``T`` tokens (their prompts share all
+  but their last block, so setting them up costs one prefill).
+
+The module does not import torch: it drives any engine object with ``add_request``, ``step``,
+``has_unfinished_requests`` and ``step_records`` (``LLMEngine``'s).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from kvledger.engine.outputs import StepRecord
+from kvledger.sim.step_model import CPU_TERMS, TERMS, ModelGeometry, batch_terms, fit_coefficients
+
+GPU_FIT_TERMS = ("step", "prefill_tokens", "prefill_attention", "decode_tokens", "kv_read_bytes", "requests")
+"""Model-run terms a single-device dense fit can tell apart (weight bytes are constant per step
+there, so ``step`` carries them; KV writes follow the token counts; no all-reduce at TP 1)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One grid point: ``kind`` "prefill" (``tokens`` new on ``context`` cached) or "decode"
+    (``batch`` requests at ``context`` tokens)."""
+
+    kind: str
+    context: int
+    tokens: int = 1
+    batch: int = 1
+
+    @property
+    def label(self) -> str:
+        if self.kind == "prefill":
+            return f"prefill {self.tokens} on {self.context}"
+        return f"decode {self.batch} x {self.context}"
+
+
+def grid(quick: bool, max_num_batched_tokens: int) -> list[Shape]:
+    """The shapes to measure (``quick``: a few, for a fit in seconds)."""
+    if quick:
+        prefills = [(n, c) for n in (16, 128) for c in (0, 128)]
+        decodes = [(b, t) for b in (1, 8) for t in (64, 256)]
+    else:
+        prefills = [(n, c) for n in (16, 64, 256, 512, 1024) for c in (0, 256, 1024)]
+        decodes = [(b, t) for b in (1, 4, 16, 32, 64) for t in (64, 256, 1024)]
+    shapes = [Shape("prefill", c, n) for n, c in prefills if n <= max_num_batched_tokens]
+    shapes += [Shape("decode", t, 1, b) for b, t in decodes]
+    return shapes
+
+
+@dataclass
+class Measured:
+    """The engine's steps of one shape (``rows`` are terms vectors, in :data:`TERMS` order)."""
+
+    shape: Shape
+    records: list[StepRecord]
+    rows: list[list[float]]
+
+
+def measure(engine: Any, shapes: list[Shape], geometry: ModelGeometry, *, reps: int, vocab: int,
+            max_model_len: int, sampling_params: Callable[[int], Any], progress: Callable[[str], None] | None = None,
+            seed: int = 0) -> list[Measured]:
+    """Run every shape ``reps`` times on ``engine``; the steps of that shape's batch, by shape.
+
+    ``sampling_params(n)`` makes the engine's greedy, ``ignore_eos`` params for ``n`` tokens."""
+    rng = random.Random(seed)
+    counter = itertools.count()
+    out = []
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(256, vocab) for _ in range(n)]
+
+    def run(prompts: list[list[int]], max_tokens: int) -> list[StepRecord]:
+        engine.step_records = records = []
+        for p in prompts:
+            engine.add_request(f"cal-{next(counter)}", p, sampling_params(max_tokens))
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.step_records = None
+        return records
+
+    for shape in shapes:
+        if progress:
+            progress(shape.label)
+        picked: list[StepRecord] = []
+        for _ in range(reps):
+            if shape.kind == "prefill":
+                if shape.context + shape.tokens + 1 > max_model_len:
+                    break
+                base = prompt(shape.context)
+                if shape.context:
+                    run([base + prompt(1)], 1)  # caches the context's full blocks
+                records = run([base + prompt(shape.tokens)], 1)
+                picked += [r for r in records if r.batch and r.batch[0][2] == shape.tokens]
+            else:
+                if shape.context + 4 > max_model_len:
+                    break
+                shared = prompt(shape.context - 1)
+                records = run([shared + prompt(1) for _ in range(shape.batch)], 4)
+                picked += [r for r in records if len(r.batch) == shape.batch and all(n == 1 for _, _, n in r.batch)]
+        rows = [batch_terms(geometry, [(c, n) for _, c, n in r.batch], r.num_samples) for r in picked]
+        out.append(Measured(shape, picked, rows))
+    return out
+
+
+def fit(measured: list[Measured], gpu_terms=GPU_FIT_TERMS) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Coefficients from every measured step, and the fit's error per shape (medians, percent)."""
+    rows = [row for m in measured for row in m.rows]
+    recs = [r for m in measured for r in m.records]
+    if not rows:
+        from kvledger.errors import KVLedgerError
+
+        raise KVLedgerError("calibration measured no steps; give the engine a longer --max-model-len")
+    model_s = [r.model_s for r in recs]
+    cpu_s = [max(r.wall_s - r.model_s, 1e-7) for r in recs]
+    coef = {t: 0.0 for t in TERMS}
+    coef.update(fit_coefficients(rows, model_s, gpu_terms))
+    coef.update(fit_coefficients(rows, cpu_s, CPU_TERMS))
+    a = np.asarray(rows, float)
+    c = np.asarray([coef[t] for t in TERMS])
+    report = []
+    i = 0
+    for m in measured:
+        n = len(m.rows)
+        if not n:
+            continue
+        measured_s = float(np.median([r.wall_s for r in m.records]))
+        predicted_s = float(np.median(a[i:i + n] @ c))
+        report.append({"shape": m.shape.label, "kind": m.shape.kind, "context": m.shape.context,
+                       "tokens": m.shape.tokens, "batch": m.shape.batch, "steps": n,
+                       "measured_ms": measured_s * 1e3, "predicted_ms": predicted_s * 1e3,
+                       "error_pct": (predicted_s - measured_s) / measured_s * 100})
+        i += n
+    return coef, report

@@ -1,0 +1,76 @@
+"""Routers of a fleet of identical replicas: which replica a new request goes to.
+
+* ``round-robin``: replica ``i mod N`` for the ``i``-th request.
+* ``least-loaded``: the fewest running + waiting requests (lowest index on ties).
+* ``prefix-affinity``: the replica whose prefix cache holds the longest run of the request's
+  leading block hashes, unless that replica is overloaded: more than
+  ``AFFINITY_LOAD_FACTOR`` x the least load + ``AFFINITY_LOAD_SLACK`` requests. Among the
+  replicas that are not, the longest run wins, then the lighter load; with no hit anywhere it
+  routes as least-loaded.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from kvledger.engine.block_pool import BlockPool
+from kvledger.engine.kv_cache_manager import KVCacheManager
+from kvledger.errors import KVLedgerError
+from kvledger.sim.driver import Replica, Router
+from kvledger.sim.requests import SimRequest
+
+ROUTERS = ("round-robin", "least-loaded", "prefix-affinity")
+AFFINITY_LOAD_FACTOR = 1.5
+"""prefix-affinity: a replica with more than this times the least load (plus the slack) is overloaded."""
+AFFINITY_LOAD_SLACK = 4
+"""prefix-affinity: requests of load any replica may carry above the least before it counts as overloaded."""
+
+
+def least_loaded(request: SimRequest, replicas: list[Replica]) -> int:
+    return min(range(len(replicas)), key=lambda r: replicas[r].load)
+
+
+def make_router(name: str, block_size: int) -> Router:
+    """The router called ``name`` (one of :data:`ROUTERS`)."""
+    if name == "round-robin":
+        counter = itertools.count()
+        return lambda request, replicas: next(counter) % len(replicas)
+    if name == "least-loaded":
+        return least_loaded
+    if name == "prefix-affinity":
+        return PrefixAffinity(block_size)
+    raise KVLedgerError(f"unknown router {name!r}; use one of {', '.join(ROUTERS)}")
+
+
+class PrefixAffinity:
+    """Longest cached run of leading block hashes, within a load margin (see the module)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._kv = KVCacheManager(BlockPool(1), block_size)  # its hashing only: one chaining, the engine's
+
+    def hashes(self, request: SimRequest) -> list[bytes]:
+        """The chained hashes of the request's full prompt blocks, as every replica's cache keys them."""
+        hashes = self._kv._block_hashes(request, request.prompt_len // self.block_size)
+        self._kv.forget(request.request_id)
+        return hashes
+
+    def __call__(self, request: SimRequest, replicas: list[Replica]) -> int:
+        if len(replicas) == 1:
+            return 0
+        loads = [r.load for r in replicas]
+        limit = min(loads) * AFFINITY_LOAD_FACTOR + AFFINITY_LOAD_SLACK
+        hashes = self.hashes(request) if request.hash_ids or request.prompt_token_ids else []
+        best, best_key = 0, None
+        for r, replica in enumerate(replicas):
+            if loads[r] > limit:
+                continue
+            hits = 0
+            for h in hashes:
+                if replica.pool.lookup(h) is None:
+                    break
+                hits += 1
+            key = (-hits, loads[r], r)
+            if best_key is None or key < best_key:
+                best, best_key = r, key
+        return best

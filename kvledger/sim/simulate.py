@@ -1,0 +1,202 @@
+"""A simulation run end to end: requests from the shared sampler, replicas, router, metrics.
+
+The requests and their arrival times are :func:`kvledger.workload.sampling.sample_requests`'s,
+so ``kvledger bench serve`` with the same flags sends the same ones; the metrics are
+:func:`kvledger.metrics.serving.calculate_metrics`'s, on :class:`RequestResult` rows built
+from the virtual times (send = arrival, a chunk per token at its step's end).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvledger.engine.config import EngineConfig
+from kvledger.errors import KVLedgerError
+from kvledger.metrics.serving import SLO, RequestResult, ServingMetrics, calculate_metrics, evaluate_slo
+from kvledger.sim.driver import Replica, StepTimer, run
+from kvledger.sim.requests import SimRequest, make_request
+from kvledger.sim.routers import make_router
+from kvledger.workload.sampling import SampledRequest
+
+PERCENTILES = (50, 90, 99)
+SERIES_POINTS = 400
+"""Samples per replica kept for the time series (``--json`` and ``--plot``)."""
+MAX_REPLICAS = 1024
+"""``--find-replicas`` gives up above this many."""
+
+
+@dataclass
+class Fleet:
+    """What every replica is: engine flags (block size, budgets, prefix caching), its pool, its step
+    model; and how many of them sit behind which router."""
+
+    config: EngineConfig
+    num_blocks: int
+    timer_factory: Any
+    """Called once per replica: returns that replica's :class:`StepTimer`."""
+    replicas: int = 1
+    router: str = "least-loaded"
+    tensor_parallel_size: int = 1
+
+
+@dataclass
+class SimResult:
+    """One run: the requests as they went, the replicas as they ended, the metrics."""
+
+    requests: list[SimRequest]
+    replicas: list[Replica]
+    metrics: ServingMetrics
+    results: list[RequestResult]
+    end_s: float
+    wall_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def build_requests(sampled: Sequence[SampledRequest], times: Sequence[float], length_scale: float = 1.0,
+                   shared_prefix: int = 0) -> list[SimRequest]:
+    """Fresh simulated requests (their state changes as they run), sorted by arrival; the first
+    ``shared_prefix`` tokens of every prompt are the same."""
+    reqs = [make_request(i, r.input_len, r.output_len, t, hash_ids=r.hash_ids, length_scale=length_scale,
+                         shared_prefix=shared_prefix)
+            for i, (r, t) in enumerate(zip(sampled, times))]
+    reqs.sort(key=lambda r: (r.arrival_time, r.uid))
+    return reqs
+
+
+def simulate(requests: list[SimRequest], fleet: Fleet, *, progress: bool | None = None,
+             record_steps: bool = False, slo: SLO | None = None) -> SimResult:
+    """Run ``requests`` (sorted by arrival) through ``fleet``."""
+    span = max((r.arrival_time for r in requests), default=0.0)
+    replicas = [Replica(i, fleet.config, fleet.num_blocks, fleet.timer_factory(), record_steps,
+                        series_interval_s=span / SERIES_POINTS if span > 0 else 0.05)
+                for i in range(fleet.replicas)]
+    router = make_router(fleet.router, fleet.config.block_size)
+    t0 = time.perf_counter()
+    end = run(requests, replicas, router, progress)
+    wall = time.perf_counter() - t0
+    results = [result_of(r) for r in requests]
+    metrics = calculate_metrics(results, max(end, 1e-9), list(PERCENTILES))
+    out = SimResult(requests, replicas, metrics, results, end, wall)
+    if slo is not None:
+        out.extra["slo"] = evaluate_slo(results, metrics, slo)
+    return out
+
+
+def result_of(r: SimRequest) -> RequestResult:
+    """What ``kvledger bench serve`` would have seen of the request (one chunk per token)."""
+    times = r.token_times
+    itl = np.diff(times).tolist() if len(times) > 1 else []
+    start = r.arrival_time
+    return RequestResult(prompt_len=r.prompt_len, expected_output_len=r.output_len, success=True,
+                         ttft=times[0] - start, latency=times[-1] - start, itl=itl,
+                         output_tokens=r.num_output, start_time=start)
+
+
+# ------------------------------------------------------------------------------------- summary
+def saturation(requests: list[SimRequest], replicas: list[Replica], metrics: ServingMetrics) -> dict[str, Any]:
+    """Whether arrivals outpace service, and the request rate at which that starts.
+
+    The queue is the requests that have arrived and have no first token yet. Saturated: over the
+    second half of the arrival window it grows by more than a tenth of the requests that arrive
+    in that half (and by at least 8): a stable system keeps it near ``rate x TTFT``, an overloaded
+    one adds ``(arrival rate - service rate) x t``. The saturation rate, given when saturated, is
+    the service rate: requests finished per second of the run, the replicas busy throughout
+    (arrivals above it queue without bound). Unsaturated runs give none: with continuous batching
+    a busy share says nothing about capacity (a batch of one keeps a card busy)."""
+    arrivals = np.sort(np.fromiter((r.arrival_time for r in requests), float, len(requests)))
+    firsts = np.sort(np.fromiter((r.first_token_time for r in requests), float, len(requests)))
+    last = float(arrivals[-1]) if len(arrivals) else 0.0
+    mid = last / 2
+
+    def queued(t: float) -> int:
+        return int(np.searchsorted(arrivals, t, "right") - np.searchsorted(firsts, t, "right"))
+
+    arrived = int(np.searchsorted(arrivals, last, "right") - np.searchsorted(arrivals, mid, "right"))
+    growth = queued(last) - queued(mid)
+    saturated = bool(last > 0 and growth >= 8 and growth > 0.1 * arrived)
+    duration = metrics.duration_s
+    busy = max((rep.busy_s for rep in replicas), default=0.0) / duration if duration else 0.0
+    return {"saturated": saturated, "saturation_rate": metrics.completed / duration if saturated else None,
+            "queue_growth": growth, "busy_share": busy,
+            "arrival_rate": len(requests) / last if last > 0 else None}
+
+
+def _downsample(values: list, n: int = SERIES_POINTS) -> list:
+    if len(values) <= n:
+        return list(values)
+    idx = np.linspace(0, len(values) - 1, n).round().astype(int)
+    return [values[i] for i in idx]
+
+
+def summary(res: SimResult, fleet: Fleet) -> dict[str, Any]:
+    """Every number of a run, JSON-ready (the keys of ``kvledger simulate --json``)."""
+    m = res.metrics
+    keep = ("mean", "median", "std", "p50", "p90", "p99")
+    out: dict[str, Any] = {f"{k}_ms": {s: v for s, v in m.stats_ms[k].items() if s in keep} for k in m.stats_ms}
+    queries = sum(rep.kv.stats.queries for rep in res.replicas)
+    hits = sum(rep.kv.stats.hits for rep in res.replicas)
+    out.update(
+        completed=m.completed, duration_s=m.duration_s, total_input_tokens=m.total_input,
+        total_output_tokens=m.total_output, request_throughput=m.request_throughput,
+        output_throughput=m.output_throughput, total_token_throughput=m.total_token_throughput,
+        goodput=res.extra["slo"]["goodput"] if "slo" in res.extra else m.request_throughput,
+        num_preemptions=sum(rep.scheduler.num_preemptions for rep in res.replicas),
+        prefix_cache_hit_rate=hits / queries if queries else 0.0,
+        prefix_cache_hits=hits, prefix_cache_queries=queries,
+        peak_blocks_allocated=max(rep.blocks_allocated_peak for rep in res.replicas),
+        num_blocks=fleet.num_blocks, block_size=fleet.config.block_size,
+        replicas=fleet.replicas, router=fleet.router, tensor_parallel_size=fleet.tensor_parallel_size,
+        gpus=fleet.replicas * fleet.tensor_parallel_size,
+        num_steps=sum(rep.num_steps for rep in res.replicas),
+        wall_s=res.wall_s, simulated_s_per_wall_s=m.duration_s / res.wall_s if res.wall_s else None,
+    )
+    out.update(saturation(res.requests, res.replicas, m))
+    if "slo" in res.extra:
+        slo = res.extra["slo"]
+        out.update(slo_met=slo["slo_met"], goodput_fraction=slo["goodput_fraction"], slo=slo)
+    out["per_replica"] = [{
+        "replica": rep.index, "requests": len(rep.finished), "steps": rep.num_steps,
+        "num_preemptions": rep.scheduler.num_preemptions, "peak_blocks_allocated": rep.blocks_allocated_peak,
+        "prefix_cache_hit_rate": rep.kv.stats.hits / rep.kv.stats.queries if rep.kv.stats.queries else 0.0,
+        "busy_share": rep.busy_s / m.duration_s if m.duration_s else 0.0,
+    } for rep in res.replicas]
+    out["series"] = [{name: _downsample(getattr(rep.series, name)) for name in
+                      ("time_s", "blocks_allocated", "token_blocks", "cached_free_blocks", "running", "waiting")}
+                     for rep in res.replicas]
+    return out
+
+
+def find_replicas(make_requests: Any, fleet: Fleet, slo: SLO, progress: bool | None = None
+                  ) -> tuple[int, SimResult, SimResult | None]:
+    """The smallest replica count whose run meets ``slo``: doubling, then bisection (more replicas
+    never hurt on the same arrivals). Returns (N, the run at N, the run at N - 1 or None for N = 1)."""
+    import dataclasses
+
+    runs: dict[int, SimResult] = {}
+
+    def meets(n: int) -> bool:
+        if n not in runs:
+            runs[n] = simulate(make_requests(), dataclasses.replace(fleet, replicas=n), progress=progress, slo=slo)
+        return runs[n].extra["slo"]["slo_met"]
+
+    cap = min(MAX_REPLICAS, max(1, len(make_requests())))  # with as many replicas as requests, none waits
+    hi = 1
+    while not meets(hi):
+        if hi >= cap:
+            raise KVLedgerError(f"{hi} replicas still miss the SLO: requests miss it on an idle replica; "
+                                "loosen the targets or use a faster GPU")
+        hi = min(hi * 2, cap)
+    lo = hi // 2  # fails (or 0)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if meets(mid):
+            hi = mid
+        else:
+            lo = mid
+    if hi > 1 and hi - 1 not in runs:
+        meets(hi - 1)
+    return hi, runs[hi], runs.get(hi - 1)

@@ -1,0 +1,299 @@
+"""The simulator: the engine's own scheduler replayed step for step, pools equal to plan's, fleets,
+SLOs, saturation, bad input, and no torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvledger.engine.config import EngineConfig
+from kvledger.sim.driver import RecordedStepTimes
+from kvledger.sim.requests import make_request
+from kvledger.sim.simulate import Fleet, simulate
+from tests.cli_helpers import assert_one_line_error, kvledger
+
+TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces"
+MOONCAKE = TRACES / "mooncake_conversation.jsonl"
+AZURE_CONV = TRACES / "azure2023_conv.csv"
+needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason="shared traces not beside the clone")
+
+
+def sim_json(*args: str) -> dict:
+    r = kvledger("simulate", *args, "--json")
+    assert r.returncode == 0, r.stderr
+    return r.json()
+
+
+# ---- the same scheduler, proven ----------------------------------------------------------------
+def test_replay_of_a_recorded_engine_run_is_identical():
+    """The real SmolLM2 engine on a small pool (preemptions) with a shared prefix (prefix hits) and
+    late arrivals; its recorded step times as the simulator's clock: the same steps, the same
+    batches, and per request the same first-token step, finish step, preemptions and hits."""
+    from kvledger.engine.llm_engine import LLMEngine
+    from kvledger.engine.sampling_params import SamplingParams
+
+    config = EngineConfig(model="smollm2-135m", dtype="float32", block_size=16, num_gpu_blocks_override=14,
+                          max_num_batched_tokens=48, max_num_seqs=8, max_model_len=224)
+    engine = LLMEngine(config)
+    shared = list(range(1000, 1032))  # two full blocks every prompt starts with
+    prompts = [shared + [2000 + 100 * i + j for j in range(5 + 5 * (i % 5))] for i in range(8)]
+    max_tokens = [16 + 4 * (i % 4) for i in range(8)]
+    arrive_at = {0: range(5), 2: [5], 6: [6], 11: [7]}  # step -> requests added before it
+    records = engine.step_records = []
+    first_step: dict[str, int] = {}
+    finish_step: dict[str, int] = {}
+    real = {}
+    step = 0
+    while step <= max(arrive_at) or engine.has_unfinished_requests():
+        for i in arrive_at.get(step, []):
+            engine.add_request(f"r{i}", prompts[i], SamplingParams(max_tokens=max_tokens[i], temperature=0,
+                                                                   ignore_eos=True))
+            real[f"r{i}"] = engine.requests[f"r{i}"]
+        for out in engine.step():
+            first_step.setdefault(out.request_id, step)
+            if out.finished:
+                finish_step[out.request_id] = step
+        step += 1
+    assert len(records) == step  # the engine was never idle, so step k is record k
+    assert engine.scheduler.num_preemptions > 0 and engine.kv_manager.stats.hits > 0
+
+    walls = [r.wall_s for r in records]
+    start, now = {}, 0.0
+    for k, w in enumerate(walls):  # the virtual time at which step k starts, summed as the driver sums it
+        start[k] = now
+        now = now + w
+    requests = [make_request(i, len(prompts[i]), max_tokens[i], start[k], prompt_token_ids=prompts[i],
+                             request_id=f"r{i}") for k, ids in arrive_at.items() for i in ids]
+    requests.sort(key=lambda r: (r.arrival_time, r.uid))
+    fleet = Fleet(config, 14, lambda: RecordedStepTimes(walls), replicas=1, router="round-robin")
+    res = simulate(requests, fleet, record_steps=True)
+    replica = res.replicas[0]
+
+    assert [(r.batch, r.preempted) for r in replica.records] == [(r.batch, r.preempted) for r in records]
+    for sim in requests:
+        rid = sim.request_id
+        assert (sim.first_token_step, sim.finish_step) == (first_step[rid], finish_step[rid]), rid
+        assert sim.num_preemptions == real[rid].num_preemptions, rid
+        assert sim.num_cached_tokens == real[rid].num_cached_tokens, rid
+        assert sim.finish_time == pytest.approx(start.get(finish_step[rid] + 1, now)), rid
+    assert replica.scheduler.num_preemptions == engine.scheduler.num_preemptions
+    assert (replica.kv.stats.hits, replica.kv.stats.queries) == (engine.kv_manager.stats.hits,
+                                                                 engine.kv_manager.stats.queries)
+    assert replica.blocks_allocated_peak == engine.blocks_allocated_peak
+
+
+# ---- calibrate and profiles --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory):
+    """A quick calibration of the real SmolLM2 engine on this machine."""
+    path = tmp_path_factory.mktemp("profile") / "smollm2.json"
+    r = kvledger("calibrate", "--quick", "--out", str(path), timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "fit error: median" in r.stdout and "error %" in r.stdout
+    return path
+
+
+@needs_traces
+def test_profile_round_trips_and_drives_simulate(profile_path):
+    from kvledger.sim.step_model import CPU_TERMS, Profile
+
+    profile = Profile.load(profile_path)
+    assert profile.model == "smollm2-135m" and profile.device.startswith("cpu")
+    assert len(profile.fit) == 8 and all(row["steps"] >= 1 for row in profile.fit)
+    assert profile.coefficients["cpu_step"] + profile.coefficients["cpu_samples"] > 0  # CPU overhead: its own terms
+    again = Profile.load(profile.save(profile_path.with_name("again.json")))
+    assert again == profile
+    assert set(CPU_TERMS) <= set(again.coefficients)
+    out = sim_json("smollm2-135m", "--profile", str(profile_path), "--workload", str(AZURE_CONV),
+                   "--num-prompts", "20", "--length-scale", "0.1", "--request-rate", "2")
+    assert out["step_model"] == f"profile:{profile_path.name}" and out["num_blocks"] == profile.num_blocks
+    assert out["completed"] == 20
+
+
+@needs_traces
+def test_profile_for_another_model_is_refused(profile_path):
+    r = kvledger("simulate", "llama-3.1-8b", "--profile", str(profile_path), "--workload", str(AZURE_CONV),
+                 "--num-prompts", "5")
+    assert_one_line_error(r, "measured on smollm2-135m", "not llama-3.1-8b")
+
+
+# ---- the pool, the interface, no torch ----------------------------------------------------------
+@pytest.mark.parametrize("flags", [
+    (),
+    ("--kv-cache-dtype", "fp8", "--block-size", "32", "--gpu-memory-utilization", "0.8"),
+    ("--tensor-parallel-size", "2", "--max-num-batched-tokens", "2048", "--max-num-seqs", "64"),
+])
+@needs_traces
+def test_pool_is_plans_and_json_has_the_interface_keys(flags):
+    plan = kvledger("plan", "llama-3.1-8b", "--gpu", "h100-80gb", *flags, "--json").json()
+    out = sim_json("llama-3.1-8b", "--gpu", "h100-80gb", *flags, "--workload", str(AZURE_CONV),
+                   "--num-prompts", "30", "--request-rate", "3")
+    assert out["num_blocks"] == plan["num_blocks"]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        assert set(out[key]) >= {"mean", "p50", "p90", "p99"} and out[key]["p99"] >= out[key]["p50"] > 0
+    for key in ("output_throughput", "request_throughput", "goodput", "num_preemptions", "prefix_cache_hit_rate",
+                "peak_blocks_allocated", "saturated", "replicas"):
+        assert key in out, key
+    assert out["replicas"] == 1 and out["completed"] == 30 and 0 < out["peak_blocks_allocated"] <= out["num_blocks"]
+    assert "slo_met" not in out and "replicas_needed" not in out
+
+
+@needs_traces
+def test_override_sets_the_pool_and_the_plot_is_drawn(tmp_path):
+    png = tmp_path / "sim.png"
+    out = sim_json("llama-3.1-8b", "--gpu", "h100-80gb", "--num-gpu-blocks-override", "700",
+                   "--workload", str(AZURE_CONV), "--num-prompts", "40", "--request-rate", "20", "--plot", str(png))
+    assert out["num_blocks"] == 700 and out["peak_blocks_allocated"] <= 700
+    series = out["series"][0]
+    assert max(series["blocks_allocated"]) <= 700 and max(series["token_blocks"]) <= max(series["blocks_allocated"])
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert_one_line_error(kvledger("simulate", "llama-3.1-8b", "--gpu", "h100-80gb", "--workload", str(AZURE_CONV),
+                                   "--plot", str(tmp_path / "sim.pdf")), ".png")
+
+
+@needs_traces
+def test_same_requests_and_arrivals_as_bench_serve():
+    """simulate draws with bench serve's sampler: the same lengths, the same Poisson arrivals."""
+    from kvledger.cli.main import build_parser
+    from kvledger.cli.simulate import setup
+    from kvledger.sim.simulate import build_requests
+    from kvledger.workload.sampling import sample_requests
+    from kvledger.workload.traces import read_trace
+
+    sampled, times = sample_requests(read_trace(AZURE_CONV), 50, seed=3, sample="random", length_scale=0.5,
+                                     request_rate=4.0, burstiness=0.7, max_model_len=131072)
+    out = sim_json("llama-3.1-8b", "--gpu", "h100-80gb", "--workload", str(AZURE_CONV), "--num-prompts", "50",
+                   "--seed", "3", "--length-scale", "0.5", "--request-rate", "4", "--burstiness", "0.7")
+    assert out["total_input_tokens"] == sum(r.input_len for r in sampled)
+    assert out["total_output_tokens"] == sum(r.output_len for r in sampled)
+    reqs = build_requests(sampled, times, 0.5)
+    assert sorted(r.arrival_time for r in reqs) == sorted(times) and len(set(times)) == 50
+    assert setup(build_parser().parse_args(["simulate", "llama-3.1-8b", "--gpu", "h100-80gb", "--workload",
+                                            "x"]))[1].router == out["router"]
+
+
+@needs_traces
+def test_a_shared_prefix_is_cached_once():
+    """Azure prompts carry no hashes: no hits. With a 48-token system prompt (3 blocks; the shortest
+    of these prompts has 64 tokens), every request after the first finds those blocks."""
+    common = ("llama-3.1-8b", "--gpu", "h100-80gb", "--workload", str(AZURE_CONV), "--num-prompts", "60",
+              "--request-rate", "2", "--max-model-len", "8192")
+    assert sim_json(*common)["prefix_cache_hits"] == 0
+    shared = sim_json(*common, "--shared-prefix-tokens", "48")
+    assert shared["prefix_cache_hits"] == 59 * 48 and shared["num_preemptions"] == 0
+
+
+@needs_traces
+def test_simulate_never_imports_torch():
+    code = ("import sys, io, contextlib\n"
+            "from kvledger.cli.main import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    rc = main(['simulate', 'llama-3.1-8b', '--gpu', 'h100-80gb', '--workload', {str(MOONCAKE)!r},\n"
+            "               '--num-prompts', '40', '--replicas', '2', '--router', 'prefix-affinity', '--json'])\n"
+            "assert rc == 0, rc\n"
+            "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+            "print('TORCH' if loaded else 'NO-TORCH', loaded[:3])\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("NO-TORCH"), proc.stdout
+
+
+# ---- fleets, SLOs, saturation --------------------------------------------------------------------
+@needs_traces
+def test_prefix_affinity_beats_round_robin_on_mooncake_at_4_replicas():
+    common = ("llama-3.1-8b", "--gpu", "h100-80gb", "--workload", str(MOONCAKE), "--num-prompts", "400",
+              "--sample", "head", "--time-scale", "0.5", "--replicas", "4")
+    rr = sim_json(*common, "--router", "round-robin")
+    pa = sim_json(*common, "--router", "prefix-affinity")
+    assert pa["prefix_cache_hit_rate"] > rr["prefix_cache_hit_rate"] > 0
+    assert len(pa["per_replica"]) == 4 and all(r["requests"] > 0 for r in pa["per_replica"])
+
+
+@needs_traces
+def test_more_replicas_never_raise_ttft_p99():
+    p99 = []
+    for n in (1, 2, 3, 4, 8):
+        out = sim_json("llama-3.1-8b", "--gpu", "h100-80gb", "--workload", str(AZURE_CONV), "--num-prompts", "300",
+                       "--request-rate", "25", "--replicas", str(n))
+        p99.append(out["ttft_ms"]["p99"])
+    assert all(b <= a for a, b in zip(p99, p99[1:])), p99
+    assert p99[-1] < p99[0] / 2, p99
+
+
+@needs_traces
+def test_find_replicas_returns_the_smallest_n():
+    slo = "ttft_p99=1s,tpot_p99=60ms"
+    common = ("llama-3.1-8b", "--gpu", "h100-80gb", "--workload", str(AZURE_CONV), "--num-prompts", "300",
+              "--request-rate", "25", "--slo", slo)
+    found = sim_json(*common, "--find-replicas")
+    n = found["replicas_needed"]
+    assert n >= 2 and found["gpus_needed"] == n and found["slo_met"] is True
+    assert found["below"]["replicas"] == n - 1 and found["below"]["slo_met"] is False
+    assert sim_json(*common, "--replicas", str(n))["slo_met"] is True
+    assert sim_json(*common, "--replicas", str(n - 1))["slo_met"] is False
+    assert all(0 <= h < 1 for h in found["headroom"].values())
+
+
+@needs_traces
+def test_saturation_verdict():
+    common = ("llama-3.1-8b", "--gpu", "h100-80gb", "--workload", str(AZURE_CONV), "--num-prompts", "400")
+    over = sim_json(*common, "--request-rate", "60")
+    under = sim_json(*common, "--request-rate", "1")
+    assert over["saturated"] is True and under["saturated"] is False
+    assert 1 < over["saturation_rate"] < 60 and under["saturation_rate"] is None
+    # the service rate it names is where queues start: well below it, none; well above it, one
+    assert sim_json(*common, "--request-rate", str(over["saturation_rate"] * 0.5))["saturated"] is False
+    assert sim_json(*common, "--request-rate", str(over["saturation_rate"] * 2))["saturated"] is True
+
+
+def test_slo_parsing_and_goodput():
+    from kvledger.metrics.serving import RequestResult, calculate_metrics, evaluate_slo, parse_slo
+
+    slo = parse_slo("ttft_p99=2s,tpot_median=100ms,e2el_mean=5000,goodput=90%")
+    assert [(t.metric, t.stat, t.seconds) for t in slo.targets] == [("ttft", "p99", 2.0), ("tpot", "p50", 0.1),
+                                                                   ("e2el", "mean", 5.0)]
+    assert slo.goodput_fraction == 0.9
+    results = [RequestResult(10, 11, True, ttft=0.5 + i, latency=1.5 + i, itl=[0.1] * 10, output_tokens=11)
+               for i in range(4)]  # TTFT 0.5, 1.5, 2.5, 3.5 s; TPOT 100 ms
+    ev = evaluate_slo(results, calculate_metrics(results, 10.0), parse_slo("ttft_p50=2s,tpot_p99=100ms"))
+    assert ev["targets"]["ttft_p50"]["met"] and ev["goodput_fraction"] == 0.5 and ev["goodput"] == 0.2
+    assert ev["slo_met"] is False  # half the requests good, 99% needed
+
+
+# ---- bad input: one line, exit 2 ------------------------------------------------------------------
+def _bad_traces(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"input_length": 10, "output_length": 5, "timestamp": 0}\n{"input_length": \n')
+    return empty, broken
+
+
+@pytest.mark.parametrize("case", ["router", "gpu", "slo-form", "slo-duration", "slo-metric", "empty", "malformed",
+                                  "rate-0", "rate-nan", "rate-inf", "profile-garbage"])
+@needs_traces
+def test_bad_input_is_one_line_exit_2(tmp_path, case):
+    empty, broken = _bad_traces(tmp_path)
+    garbage = tmp_path / "profile.json"
+    garbage.write_text('{"kind": "something else"}')
+    base = ["llama-3.1-8b", "--gpu", "h100-80gb", "--workload", str(AZURE_CONV), "--num-prompts", "5"]
+    argv, needles = {
+        "router": (base + ["--router", "random"], ("unknown router 'random'", "prefix-affinity")),
+        "gpu": (["llama-3.1-8b", "--gpu", "h900", "--workload", str(AZURE_CONV)], ("unknown GPU 'h900'",)),
+        "slo-form": (base + ["--slo", "ttft_p99"], ("--slo", "METRIC_STAT=DURATION")),
+        "slo-duration": (base + ["--slo", "ttft_p99=fast"], ("--slo ttft_p99", "positive duration")),
+        "slo-metric": (base + ["--slo", "latency_p99=2s"], ("ttft, tpot, itl or e2el",)),
+        "empty": (["llama-3.1-8b", "--gpu", "h100-80gb", "--workload", str(empty)], ("is empty",)),
+        "malformed": (["llama-3.1-8b", "--gpu", "h100-80gb", "--workload", str(broken)], ("broken.jsonl:2",)),
+        "rate-0": (base + ["--request-rate", "0"], ("--request-rate", "positive finite")),
+        "rate-nan": (base + ["--request-rate", "nan"], ("--request-rate", "positive finite")),
+        "rate-inf": (base + ["--request-rate", "inf"], ("--request-rate", "positive finite")),
+        "profile-garbage": (["llama-3.1-8b", "--profile", str(garbage), "--workload", str(AZURE_CONV)],
+                            ("not a step profile",)),
+    }[case]
+    assert_one_line_error(kvledger("simulate", *argv), *needles)
