@@ -30,6 +30,8 @@ def _number(kind: type, noun: str, ok: Callable[[Any], bool], requirement: str, 
 positive_int = _number(int, "an integer", lambda v: v > 0, "a positive integer", "positive_int")
 non_negative_int = _number(int, "an integer", lambda v: v >= 0, "zero or more", "non_negative_int")
 positive_float = _number(float, "a number", lambda v: 0 < v < math.inf, "a positive finite number", "positive_float")
+non_negative_float = _number(float, "a number", lambda v: 0 <= v < math.inf, "a finite number >= 0",
+                             "non_negative_float")
 fraction = _number(float, "a number", lambda v: 0 < v <= 1, "in (0, 1]", "fraction")
 
 
