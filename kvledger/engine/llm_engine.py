@@ -189,7 +189,8 @@ class LLMEngine:
         """Every id in ``[0, vocab_size)``, else a :class:`ParameterError` naming ``param``."""
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ParameterError(param, f"{what} {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise ParameterError(param, f"{what} {bad[0]} in '{param}' is outside the vocabulary "
+                                        f"[0, {self.vocab_size})")
 
     def abort_request(self, request_id: str) -> None:
         """End a request now (finish_reason "abort"); its blocks return to the pool at once."""
