@@ -76,23 +76,20 @@ def log_client_gone(request_id: str | None, what: str) -> None:
 
 
 class EngineStreamingResponse(StreamingResponse):
-    """A streaming response that runs ``on_close`` however the stream ends (finished, client gone);
-    ``on_close(completed)`` says whether the last event was sent."""
+    """A streaming response that runs ``on_close`` however the stream ends (finished, client gone)."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[bool], None]) -> None:
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
-        completed = False
         try:
             await super().__call__(scope, receive, send)
-            completed = True
-        except (ClientDisconnect, OSError):
-            pass  # the client hung up mid-write: on_close(False) logs it
+        except ClientDisconnect:
+            pass  # the client hung up mid-write; on_close logs it
         finally:
-            self._on_close(completed)
+            self._on_close()
 
 
 def sse(obj: BaseModel) -> str:
@@ -199,7 +196,10 @@ class Serving:
         ``usage(completion_tokens)`` event when asked for, then ``[DONE]``. A request the engine
         could not complete gets an error event (its status and cause) before ``[DONE]``; the
         request is aborted however the stream ends, and a client gone first is logged as a 499."""
+        sent_all = False
+
         async def events() -> AsyncIterator[str]:
+            nonlocal sent_all
             n_out = 0
             if first is not None:
                 yield first
@@ -213,10 +213,11 @@ class Serving:
             if usage is not None:
                 yield usage(n_out)
             yield "data: [DONE]\n\n"
+            sent_all = True  # resumed only once [DONE] was written
 
-        def on_close(completed: bool) -> None:
+        def on_close() -> None:
             self.aengine.abort(stream.request_id)
-            if not completed:
+            if not sent_all:
                 log_client_gone(stream.request_id, f"hung up during the stream, after {stream.num_output_tokens} "
                                                    "tokens; aborted")
 
