@@ -59,7 +59,8 @@ def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str
 
 
 class HeaderTimeoutProtocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline on request headers (``HEADER_TIMEOUT_S``).
+    """uvicorn's HTTP/1.1 protocol (its h11 implementation, the one it picks when httptools is not
+    installed) with a deadline on request headers (``HEADER_TIMEOUT_S``).
 
     The clock starts when the connection opens, and on a kept-alive connection when the next
     request's first byte arrives; it stops once the request line and headers are complete. Past
