@@ -11,3 +11,12 @@ class KVLedgerError(Exception):
 
 class ConfigError(KVLedgerError):
     """A model config that is missing, unreadable or lacks what Eq 2.2 needs."""
+
+
+class ParameterError(KVLedgerError):
+    """A request parameter with a value the engine cannot honour; ``param`` names it (the server
+    reports it as the OpenAI error object's ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param

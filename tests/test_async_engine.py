@@ -47,3 +47,40 @@ def test_a_failure_while_applying_aborts_still_answers_the_adds_behind_it():
 
     asyncio.run(scenario())
     assert engine.pool.num_free_blocks == engine.num_blocks
+
+
+def test_drain_ends_what_is_in_flight_and_refuses_new_requests():
+    """``drain(0)`` (``--shutdown-timeout 0``): the request in flight ends at once with a 503
+    RequestFailedError, a new one is refused with 503, and the pool is empty; a drain with time
+    lets a short request finish first."""
+    from kvledger.server.async_engine import RequestFailedError
+
+    engine = LLMEngine(EngineConfig(model="smollm2-135m", dtype="float32", kv_cache_memory="32MiB",
+                                    max_model_len=256))
+
+    async def scenario() -> None:
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        try:
+            short = await aengine.add("short", list(range(100, 110)), SamplingParams(max_tokens=3, temperature=0))
+            ended = await asyncio.wait_for(aengine.drain(30), timeout=60)  # the short one finishes in the drain
+            assert ended == 0
+            deltas = [d async for d in short]
+            assert deltas[-1].finished and deltas[-1].num_output_tokens == 3
+            aengine.accepting = True  # a fresh drain, now with a request that cannot finish
+            long = await aengine.add("long", list(range(200, 220)),
+                                     SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+            await long.queue.get()  # it is running
+            assert await asyncio.wait_for(aengine.drain(0), timeout=10) == 1
+            with pytest.raises(RequestFailedError) as err:
+                async for _ in long:
+                    pass
+            assert err.value.status == 503 and "shutting down" in str(err.value)
+            with pytest.raises(RequestFailedError) as refused:
+                await aengine.add("late", [1, 2, 3], SamplingParams(max_tokens=2))
+            assert refused.value.status == 503
+        finally:
+            await aengine.stop()
+
+    asyncio.run(scenario())
+    assert engine.pool.num_free_blocks == engine.num_blocks

@@ -125,3 +125,68 @@ def test_engine_seed_makes_unseeded_sampling_reproducible():
     first, second = draws(7), draws(7)
     assert first == second
     assert first[0] != first[1]  # one generator, two different draws: it does sample
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=-1e-9), "temperature"),
+    (dict(seed=2**64), "seed"),
+    (dict(seed=-(2**63) - 1), "seed"),
+    (dict(top_k=2**63), "top_k"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(max_tokens=8, min_tokens=9), "min_tokens"),
+])
+def test_out_of_range_values_name_their_field(kwargs, param):
+    from kvledger.errors import ParameterError
+
+    with pytest.raises(ParameterError) as err:
+        SamplingParams(**kwargs)
+    assert err.value.param == param and param in str(err.value) and "\n" not in str(err.value)
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused_at_add(engine_llm):
+    from kvledger.errors import ParameterError
+
+    engine = engine_llm.llm_engine
+    for bad in (engine.vocab_size, -1, 10**30):
+        with pytest.raises(ParameterError) as err:
+            engine.add_request("bad-stop", [1, 2, 3], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[bad]))
+        assert err.value.param == "stop_token_ids" and str(bad) in str(err.value)
+    assert "bad-stop" not in engine.requests
+
+
+def test_extreme_but_valid_values_are_honoured(engine_llm):
+    """A temperature below 1e-5 is greedy; a top_p too small for float32 keeps the top token (so it
+    is greedy too); min_tokens keeps EOS out until it is reached."""
+    params = [SamplingParams(max_tokens=8, temperature=0), SamplingParams(max_tokens=8, temperature=1e-40),
+              SamplingParams(max_tokens=8, temperature=5e-324),
+              SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-300, seed=1),
+              SamplingParams(max_tokens=8, min_tokens=1, temperature=0)]
+    outs = [o.outputs[0].token_ids for o in engine_llm.generate([PROMPT] * len(params), params, use_tqdm=False)]
+    assert outs[1:] == [outs[0]] * (len(params) - 1)
+    chat = [{"role": "user", "content": "Reply with one word: yes or no. Is the sky blue?"}]
+    free, held = (o.outputs[0] for o in engine_llm.chat(
+        [chat, chat], [SamplingParams(max_tokens=8, temperature=0),
+                       SamplingParams(max_tokens=8, temperature=0, min_tokens=5)], use_tqdm=False))
+    eos = engine_llm.llm_engine.eos_token_ids
+    assert len(free.token_ids) < 5 and free.token_ids[-1] in eos
+    assert len(held.token_ids) >= 5 and not eos & set(held.token_ids[:4])
+
+
+def test_a_request_failing_in_its_own_sampling_ends_alone(engine_llm):
+    """One request's sampling raises inside a step (its temperature made NaN after validation):
+    it ends with finish_reason "error" and the cause; the greedy requests of the same steps give
+    exactly the tokens they give alone; the pool is clean afterwards."""
+    engine = engine_llm.llm_engine
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    alone = [o.outputs[0].token_ids for o in engine_llm.generate([PROMPT, "Hello"], greedy, use_tqdm=False)]
+    bad = SamplingParams(max_tokens=6, temperature=1.0)
+    bad.temperature = float("nan")
+    outs = engine_llm.generate([PROMPT, PROMPT, "Hello"], [greedy, bad, greedy], use_tqdm=False)
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == alone
+    failed = outs[1]
+    assert failed.finished and failed.finish_reason == "error" and failed.outputs[0].token_ids == []
+    assert "temperature=nan" in failed.error and "RuntimeError" in failed.error, failed.error
+    assert engine.ledger().blocks_allocated == 0 and not engine.has_unfinished_requests()
+    engine.check_integrity()

@@ -3,7 +3,6 @@ SLOs, saturation, bad input, and no torch."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path

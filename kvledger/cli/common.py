@@ -30,7 +30,7 @@ def _number(kind: type, noun: str, ok: Callable[[Any], bool], requirement: str, 
 positive_int = _number(int, "an integer", lambda v: v > 0, "a positive integer", "positive_int")
 MAX_TOKENS = 2**40
 """The most tokens a length flag takes (about 10^12): beyond any context or pool."""
-token_count = _number(int, "an integer", lambda v: 0 < v <= MAX_TOKENS, f"a positive integer of at most 2^40",
+token_count = _number(int, "an integer", lambda v: 0 < v <= MAX_TOKENS, "a positive integer of at most 2^40",
                       "token_count")
 non_negative_int = _number(int, "an integer", lambda v: v >= 0, "zero or more", "non_negative_int")
 positive_float = _number(float, "a number", lambda v: 0 < v < math.inf, "a positive finite number", "positive_float")

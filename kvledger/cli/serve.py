@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvledger.cli.common import positive_int, size
+from kvledger.cli.common import non_negative_float, positive_int, size
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,8 +25,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVLEDGER_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None, help="model name clients send (default: the model's name)")
     p.add_argument("--max-waiting-requests", type=positive_int, default=None,
-                   help="requests allowed to wait for the running batch; beyond it 503 + Retry-After "
+                   help="requests allowed to wait behind the --max-num-seqs running ones; a burst into an idle "
+                        "server accepts max-num-seqs + max-waiting-requests, the rest get 503 + Retry-After "
                         "(default 4 x --max-num-seqs)")
+    p.add_argument("--shutdown-timeout", type=non_negative_float, default=0.0, metavar="S",
+                   help="on SIGTERM/SIGINT, seconds the requests in flight get to finish before they are ended "
+                        "with an error (default 0: at once)")
     p.add_argument("--max-request-body-bytes", type=size, default="4MiB",
                    help="largest request body accepted, e.g. 64KiB; beyond it 413 (default 4MiB)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
@@ -51,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)  # fail fast, before the model loads
     engine = LLMEngine(engine_config_from_args(args))
     app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
-                    max_waiting=args.max_waiting_requests, max_body_bytes=int(args.max_request_body_bytes))
+                    max_waiting=args.max_waiting_requests, max_body_bytes=int(args.max_request_body_bytes),
+                    shutdown_timeout_s=args.shutdown_timeout)
     name = app.state.config.served_model_names[0]
     ledger = engine.ledger()
 
@@ -60,5 +65,8 @@ def run(args: argparse.Namespace) -> int:
               f"dashboard at {url}/dashboard); KV pool {ledger.num_blocks} blocks x {ledger.block_size} tokens, "
               f"max-model-len {engine.max_model_len}", flush=True)
 
-    asyncio.run(serve_async(app, sock, ready, log_level=args.log_level))
+    server = asyncio.run(serve_async(app, sock, ready, log_level=args.log_level))
+    after = engine.ledger()
+    print(f"kvledger serve: stopped; {server.ended_by_shutdown} requests in flight were ended by the shutdown; "
+          f"KV blocks allocated {after.blocks_allocated} of {after.num_blocks}", flush=True)
     return 0

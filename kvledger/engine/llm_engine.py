@@ -10,8 +10,11 @@ awaits):
 * ``step()`` schedules and runs one batch and returns a :class:`RequestOutput` for every
   request that produced a token (``new_token_ids``, ``text_delta``, ``finished``,
   ``finish_reason``); stop strings are applied here, the text cut before them as in vLLM. If
-  the model raises, the requests of that step are aborted, the prefix-cache entries of the
-  blocks it was to write are dropped, and the error propagates; other requests carry on;
+  one request's own work (sampling, stop checks, detokenization) raises, that request alone
+  ends, with ``finish_reason`` "error" and the cause in its output's ``error``; the step's other
+  requests carry on unchanged. If the model itself raises, the requests of that step are
+  aborted, the prefix-cache entries of the blocks it was to write are dropped, and the error
+  propagates; requests outside the step carry on;
 * ``has_unfinished_requests()`` and ``ledger()`` (live :class:`KVLedger` numbers).
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -34,10 +38,13 @@ from kvledger.engine.sampler import sample
 from kvledger.engine.sampling_params import SamplingParams
 from kvledger.engine.scheduler import Scheduler, SchedulerOutput
 from kvledger.engine.sequence import Request
-from kvledger.errors import KVLedgerError
+from kvledger.errors import KVLedgerError, ParameterError
 from kvledger.layers.paged_kv import TORCH_DTYPES
 from kvledger.layers.quantized_kv import make_kv_cache
 from kvledger.units import available_ram_bytes, format_bytes
+
+
+log = logging.getLogger("kvledger.engine")
 
 
 def _pick_device(name: str) -> torch.device:
@@ -179,16 +186,16 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
                     prompt: str | None = None) -> None:
-        """Queue a request; raise KVLedgerError now if it is malformed or could never fit."""
+        """Queue a request; raise KVLedgerError now if it is malformed or could never fit (a token id
+        outside the vocabulary, in the prompt or in ``stop_token_ids``, is a :class:`ParameterError`)."""
         sp = sampling_params or SamplingParams()
         if request_id in self.requests:
             raise KVLedgerError(f"request id {request_id!r} is already in the engine")
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise KVLedgerError("the prompt is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise KVLedgerError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        self._check_vocabulary(ids, "prompt", "token id")
+        self._check_vocabulary(sp.stop_token_ids, "stop_token_ids", "stop token id")
         max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len - len(ids)
         total = len(ids) + max_tokens
         if max_tokens < 1 or total > self.max_model_len:
@@ -202,6 +209,13 @@ class LLMEngine:
         request.generator = self.generator if sp.seed is None else torch.Generator(self.device).manual_seed(sp.seed)
         self.requests[request_id] = request
         self.scheduler.add(request)
+
+    def _check_vocabulary(self, ids: list[int], param: str, what: str) -> None:
+        """Every id in ``[0, vocab_size)``, else a :class:`ParameterError` naming ``param``."""
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ParameterError(param, f"{what} {bad[0]} in '{param}' is outside the vocabulary "
+                                        f"[0, {self.vocab_size})")
 
     def abort_request(self, request_id: str) -> None:
         """End a request now (finish_reason "abort"); its blocks return to the pool at once."""
@@ -231,15 +245,22 @@ class LLMEngine:
         self.scheduler.update(out)
         self.blocks_allocated_peak = max(self.blocks_allocated_peak, self.pool.num_blocks - self.pool.num_free_blocks)
         requests = [s.request for s in samplers]
-        tokens = sample(logits, requests, self.eos_token_ids) if requests else []
+        tokens, failed = sample(logits, requests, self.eos_token_ids) if requests else ([], {})
         now = time.perf_counter()
         outputs = []
-        for request, token in zip(requests, tokens):
-            request.output_token_ids.append(token)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            self._check_stop(request, token)
-            outputs.append(self._make_output(request, token))
+        for i, (request, token) in enumerate(zip(requests, tokens)):
+            error, stage = failed.get(i), "sampling"
+            if error is None:
+                try:
+                    request.output_token_ids.append(token)
+                    if request.first_token_time is None:
+                        request.first_token_time = now
+                    self._check_stop(request, token)
+                    outputs.append(self._make_output(request, token))
+                except Exception as err:  # noqa: BLE001 - this request's failure, not the step's
+                    error, stage = err, "detokenizing or checking stops"
+            if error is not None:
+                outputs.append(self._fail_request(request, error, stage))
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
         if self.step_records is not None:
@@ -248,6 +269,22 @@ class LLMEngine:
                                                 [r.request_id for r in out.preempted]))
         self.num_steps += 1
         return outputs
+
+    def _fail_request(self, request: Request, error: Exception, stage: str) -> RequestOutput:
+        """End one request whose own work in a step raised (finish_reason "error"); its blocks go
+        back to the pool, the step's other requests are untouched. The output names the request's
+        sampling parameters and the error."""
+        sp = request.sampling_params
+        message = (f"request {request.request_id} failed while {stage} (temperature={sp.temperature}, "
+                   f"top_p={sp.top_p}, top_k={sp.top_k}, seed={sp.seed}, min_tokens={sp.min_tokens}): "
+                   f"{type(error).__name__}: {error}")
+        log.error("%s", message, exc_info=error)
+        self.scheduler.finish(request, "error")
+        completion = CompletionOutput(0, request.text[:request.emitted_text_len], list(request.output_token_ids),
+                                      "error")
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion], True,
+                             arrival_time=request.arrival_time, first_token_time=request.first_token_time,
+                             error=message)
 
     def _abort_failed_step(self, out: SchedulerOutput) -> None:
         """Abort the requests of a step whose model run raised, after dropping the prefix-cache

@@ -12,14 +12,16 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
 
 @dataclass
 class RequestOutput:
     """A request's state after a step. ``new_token_ids`` and ``text_delta`` are what this step added
-    (``text_delta`` holds back the end of the text that could still become a stop string)."""
+    (``text_delta`` holds back the end of the text that could still become a stop string).
+    ``error`` is set, with ``finish_reason`` "error", when this request's own work in the step
+    failed (sampling, stop checks, detokenization): it ended, the step's other requests did not."""
 
     request_id: str
     prompt: str | None
@@ -31,6 +33,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    error: str | None = None
 
     @property
     def finish_reason(self) -> str | None:

@@ -2,20 +2,33 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from kvledger.errors import KVLedgerError
+from kvledger.errors import ParameterError
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""The integers a 64-bit tensor (torch.long) holds; a seed or count outside is refused."""
+
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy, as in vLLM (dividing logits by them overflows float32)."""
 
 
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping rules.
 
-    ``temperature=0`` is greedy. ``top_k`` of 0 or -1 and ``top_p=1`` disable those filters.
-    ``seed`` makes one request's sampling reproducible regardless of its batch. ``max_tokens``
-    counts generated tokens. ``stop`` strings end generation with ``finish_reason="stop"`` and
+    ``temperature`` 0 (or anything below ``GREEDY_TEMPERATURE``, 1e-5) is greedy. ``top_k`` of 0
+    or -1 and ``top_p=1`` disable those filters; ``top_p`` always keeps the most likely token.
+    ``seed`` (a 64-bit signed integer) makes one request's sampling reproducible regardless of its
+    batch. ``max_tokens`` counts generated tokens; until ``min_tokens`` of them exist the
+    end-of-sequence token (unless ``ignore_eos``) and ``stop_token_ids`` cannot be sampled and stop
+    strings are not looked for. ``stop`` strings end generation with ``finish_reason="stop"`` and
     are cut from the text (kept with ``include_stop_str_in_output``); ``stop_token_ids`` end it
     too and stay in ``token_ids``. ``ignore_eos`` keeps going past the end-of-sequence token.
+
+    Every value is checked here (the engine checks token ids against its vocabulary); a bad one
+    raises :class:`ParameterError` naming the field.
     """
 
     temperature: float = 1.0
@@ -38,20 +51,27 @@ class SamplingParams:
         self.max_stop_len = max((len(s) for s in self.stop_list), default=0)
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.n != 1:
-            raise KVLedgerError(f"n={self.n} is not supported; the engine returns one completion per prompt (n=1)")
-        if self.temperature < 0:
-            raise KVLedgerError(f"temperature must be >= 0, got {self.temperature}")
+            raise ParameterError("n", f"n={self.n} is not supported; the engine returns one completion per prompt (n=1)")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ParameterError("temperature", f"temperature must be a finite number >= 0 (below {GREEDY_TEMPERATURE} "
+                                                f"is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise KVLedgerError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise KVLedgerError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+            raise ParameterError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if not -1 <= self.top_k <= INT64_MAX:
+            raise ParameterError("top_k", f"top_k must be -1, 0 (off) or a positive 64-bit integer, got {self.top_k}")
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
+            raise ParameterError("seed", f"seed must be a 64-bit signed integer, in [{INT64_MIN}, {INT64_MAX}], "
+                                         f"got {self.seed}")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise KVLedgerError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise ParameterError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
-            raise KVLedgerError(f"min_tokens must be >= 0, got {self.min_tokens}")
+            raise ParameterError("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ParameterError("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                                               f"({self.max_tokens}); lower min_tokens or raise max_tokens")
         if any(not s for s in self.stop_list):
-            raise KVLedgerError("stop strings must not be empty")
+            raise ParameterError("stop", "stop strings must not be empty")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE

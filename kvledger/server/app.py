@@ -7,6 +7,12 @@ API key (401) -> body size (413) -> JSON and fields (400) -> model name (404) ->
 a request larger than the whole KV pool (400, with the numbers) -> prompt + max_tokens
 against ``max_model_len`` (400, with the numbers) -> the engine's own admission check
 (400) -> the waiting queue (503 + ``Retry-After``). ``/metrics``, ``/health`` and ``/dashboard`` need no key.
+
+A request the engine accepted and then could not complete is a 500 naming the cause (503 while
+the server shuts down); streamed, the same error object arrives as a last event before
+``[DONE]``. A client that hangs up, streamed or not, is logged at info level as a 499 and its
+request aborted; a body that stops arriving is cut off after ``BODY_IDLE_TIMEOUT_S`` without a
+byte (``BODY_TIMEOUT_S`` in all) with a 408.
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kvledger.errors import KVLedgerError
-from kvledger.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from kvledger.server.async_engine import AsyncEngine, QueueFullError, RequestFailedError, RequestStream
 from kvledger.server.errors import APIError, error_body, error_response
 from kvledger.server.metrics import ServerMetrics
 from kvledger.server.protocol import (
@@ -41,6 +48,8 @@ log = logging.getLogger("kvledger.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # 4 MiB: far above a max-length prompt as JSON
 RETRY_AFTER_S = 1
+BODY_IDLE_TIMEOUT_S = 5.0  # longest wait for the next piece of a request body (seconds)
+BODY_TIMEOUT_S = 60.0  # longest time a whole request body may take to arrive (seconds)
 VENDOR_FILES = {"uPlot.iife.min.js": "application/javascript", "uPlot.min.css": "text/css",
                 "uPlot.LICENSE.txt": "text/plain"}
 
@@ -53,11 +62,17 @@ class ServerConfig:
     max_model_len: int
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    shutdown_timeout_s: float = 0.0  # how long a shutdown lets requests in flight finish (seconds)
     created: int = field(default_factory=now)
 
 
 class ClientGone(Exception):
-    """The client closed the connection before a non-streamed answer was ready."""
+    """The client closed the connection before its answer was ready (or its body had arrived)."""
+
+
+def log_client_gone(request_id: str | None, what: str) -> None:
+    """The one log line of a client that hung up: info level, HTTP 499, no traceback."""
+    log.info("499 client closed request%s: %s", f" {request_id}" if request_id else "", what)
 
 
 class EngineStreamingResponse(StreamingResponse):
@@ -71,6 +86,8 @@ class EngineStreamingResponse(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except ClientDisconnect:
+            pass  # the client hung up mid-write; on_close logs it
         finally:
             self._on_close()
 
@@ -102,17 +119,39 @@ class Serving:
             raise APIError(401, f"{what} API key: send 'Authorization: Bearer <key>' with the server's --api-key")
 
     async def read_body(self, request: Request) -> bytes:
+        """The whole body, within ``max_body_bytes`` (else 413) and the body timeouts (else 408,
+        and the connection closes). A client that hangs up before it has sent it all (a body
+        shorter than its Content-Length, then a close) is :class:`ClientGone`."""
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise APIError(413, f"request body of {int(declared)} bytes exceeds the limit of {limit} bytes "
                                 "(--max-request-body-bytes)")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"request body exceeds the limit of {limit} bytes (--max-request-body-bytes)")
-            chunks.append(chunk)
+        stream = request.stream()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + BODY_TIMEOUT_S
+        try:
+            while True:
+                wait = min(BODY_IDLE_TIMEOUT_S, deadline - loop.time())
+                try:
+                    async with asyncio.timeout(max(wait, 0.0)):
+                        chunk = await anext(stream)
+                except StopAsyncIteration:
+                    break
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"request body exceeds the limit of {limit} bytes (--max-request-body-bytes)")
+                chunks.append(chunk)
+        except TimeoutError:
+            log.info("408 request body of %s: %d bytes after %.0f s; connection closed",
+                     request.url.path, size, BODY_TIMEOUT_S - (deadline - loop.time()))
+            raise APIError(408, f"the request body did not arrive in time (got {size} bytes; each part must come "
+                                f"within {BODY_IDLE_TIMEOUT_S:g} s, the whole body within {BODY_TIMEOUT_S:g} s)",
+                           headers={"Connection": "close"}) from None
+        except ClientDisconnect:
+            log_client_gone(None, f"hung up after {size} bytes of the request body to {request.url.path}")
+            raise ClientGone() from None
         return b"".join(chunks)
 
     def check_model(self, name: str) -> str:
@@ -136,27 +175,31 @@ class Serving:
         try:
             return SamplingParams(**req.sampling_kwargs(max_tokens))
         except KVLedgerError as err:
-            raise APIError(400, str(err)) from None
+            raise APIError(400, str(err), param=getattr(err, "param", None)) from None
 
     async def submit(self, request_id: str, ids: list[int], params: Any) -> RequestStream:
         try:
             return await self.aengine.add(request_id, ids, params)
         except KVLedgerError as err:
-            raise APIError(400, str(err)) from None
+            raise APIError(400, str(err), param=getattr(err, "param", None)) from None
         except QueueFullError as err:
             raise APIError(503, f"the server is overloaded: {err}",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except EngineDeadError as err:
-            raise APIError(500, str(err)) from None
+        except RequestFailedError as err:
+            raise APIError(err.status, str(err)) from None
 
     # --- answering ------------------------------------------------------------------------------
 
     def stream_response(self, stream: RequestStream, chunks: Callable[[Any], Iterator[str]],
                         usage: Callable[[int], str] | None, first: str | None = None) -> EngineStreamingResponse:
         """Server-sent events: ``first`` (if any), ``chunks(delta)`` for every engine delta, the
-        ``usage(completion_tokens)`` event when asked for, then ``[DONE]``. An engine failure
-        becomes an error event; the request is aborted however the stream ends."""
+        ``usage(completion_tokens)`` event when asked for, then ``[DONE]``. A request the engine
+        could not complete gets an error event (its status and cause) before ``[DONE]``; the
+        request is aborted however the stream ends, and a client gone first is logged as a 499."""
+        sent_all = False
+
         async def events() -> AsyncIterator[str]:
+            nonlocal sent_all
             n_out = 0
             if first is not None:
                 yield first
@@ -165,13 +208,20 @@ class Serving:
                     n_out = d.num_output_tokens
                     for event in chunks(d):
                         yield event
-            except EngineDeadError as err:
+            except RequestFailedError as err:
                 yield _error_event(err)
             if usage is not None:
                 yield usage(n_out)
             yield "data: [DONE]\n\n"
+            sent_all = True  # resumed only once [DONE] was written
 
-        return EngineStreamingResponse(events(), lambda: self.aengine.abort(stream.request_id))
+        def on_close() -> None:
+            self.aengine.abort(stream.request_id)
+            if not sent_all:
+                log_client_gone(stream.request_id, f"hung up during the stream, after {stream.num_output_tokens} "
+                                                   "tokens; aborted")
+
+        return EngineStreamingResponse(events(), on_close)
 
     async def collect(self, stream: RequestStream, request: Request) -> tuple[str, int, str]:
         """All the text of a request, its completion tokens and finish reason. If the client
@@ -192,15 +242,18 @@ class Serving:
             await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
-            if not consumer.done():
+            if not consumer.done():  # the client left first (or this handler was cancelled)
                 consumer.cancel()
                 self.aengine.abort(stream.request_id)
+            # let both finish before reading them (a task cancelled a moment ago is not done yet)
+            await asyncio.gather(watcher, consumer, return_exceptions=True)
         if consumer.cancelled():
+            log_client_gone(stream.request_id, f"hung up before the answer, after {result['n']} tokens; aborted")
             raise ClientGone()
         try:
             consumer.result()
-        except EngineDeadError as err:
-            raise APIError(500, str(err)) from None
+        except RequestFailedError as err:
+            raise APIError(err.status, str(err)) from None
         return "".join(parts), result["n"], result["reason"]
 
 
@@ -215,8 +268,8 @@ def _usage(num_prompt: int, num_output: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_output, total_tokens=num_prompt + num_output)
 
 
-def _error_event(err: Exception) -> str:
-    return f"data: {json.dumps(error_body(500, str(err)))}\n\n"
+def _error_event(err: RequestFailedError) -> str:
+    return f"data: {json.dumps(error_body(err.status, str(err)))}\n\n"
 
 
 def create_app(aengine: AsyncEngine, config: ServerConfig) -> FastAPI:
@@ -241,7 +294,7 @@ def create_app(aengine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request: Request, err: ClientGone) -> Response:
-        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        return Response(status_code=499)  # nginx's "client closed request"; logged, nobody reads it
 
     @app.exception_handler(RequestValidationError)
     async def _query_error(request: Request, err: RequestValidationError) -> JSONResponse:

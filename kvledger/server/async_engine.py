@@ -8,8 +8,15 @@ step. Outputs go to one ``asyncio.Queue`` per request.
 
 Requests leave the engine the moment they finish, or at the next step boundary once their
 client is gone (``abort``), so their KV blocks return to the pool at once. Admission is
-bounded: when ``max_waiting`` requests already wait, ``add`` raises :class:`QueueFullError`
-(the server answers 503 with ``Retry-After``).
+bounded: the engine runs up to ``max_num_seqs`` requests and ``max_waiting`` more may wait
+behind them; beyond ``max_num_seqs + max_waiting`` requests in the server, ``add`` raises
+:class:`QueueFullError` (the server answers 503 with ``Retry-After``).
+
+A request whose own work fails in a step (the engine's output carries an ``error``) ends with
+:class:`RequestFailedError`; the rest of the step carries on. A step that fails as a whole (the
+model raised) ends the requests in flight with :class:`EngineDeadError`, and the loop goes on
+serving. :meth:`AsyncEngine.drain` is the graceful shutdown: no new requests, those in flight
+get up to a deadline to finish, the rest end with a 503 :class:`RequestFailedError`.
 """
 
 from __future__ import annotations
@@ -33,8 +40,17 @@ class QueueFullError(Exception):
     """The waiting queue is full; try again later."""
 
 
-class EngineDeadError(Exception):
-    """The engine loop failed; the request could not complete."""
+class RequestFailedError(Exception):
+    """The engine could not complete a request it had accepted. ``status`` is the HTTP status to
+    answer with: 500 for a failure inside the engine, 503 when the server is shutting down."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class EngineDeadError(RequestFailedError):
+    """The engine loop failed (or is not running); the request could not complete."""
 
 
 @dataclass
@@ -86,6 +102,9 @@ class AsyncEngine:
     def __init__(self, engine: Any, *, max_waiting: int = 1024) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
+        self.max_running = int(engine.config.max_num_seqs)
+        self.accepting = True  # False once drain() began: new requests get 503
+        self._drain_deadline = 0.0  # time.monotonic() at which drain() ends what is left
         self.metrics: Any = None  # a ServerMetrics, attached by the app
         self._streams: dict[str, RequestStream] = {}
         self._pending_adds: list[_PendingAdd] = []
@@ -113,6 +132,25 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._task is not None and not self._task.done()
 
+    async def drain(self, timeout_s: float) -> int:
+        """Graceful shutdown: refuse new requests, let those in flight finish for up to
+        ``timeout_s`` seconds (0: not at all), then end the rest with a 503
+        :class:`RequestFailedError`. Returns how many were ended that way."""
+        self.accepting = False
+        self._drain_deadline = time.monotonic() + max(0.0, timeout_s)
+        while self.num_in_flight() and time.monotonic() < self._drain_deadline and self.is_running:
+            await asyncio.sleep(0.05)
+        async with self._lock:  # between steps
+            ended = self.num_in_flight()
+            self._fail_all("the server is shutting down; the request was ended before it finished",
+                           RequestFailedError, 503)
+            self._take_snapshot(force_sample=True)
+        return ended
+
+    def end_drain(self) -> None:
+        """Cut a :meth:`drain` in progress short: what is still in flight ends now."""
+        self._drain_deadline = 0.0
+
     async def stop(self) -> None:
         for task in (self._task, self._ticker):
             if task is not None:
@@ -122,7 +160,7 @@ class AsyncEngine:
                 except (asyncio.CancelledError, Exception):
                     pass
         self._task = self._ticker = None
-        self._fail_all("the server is shutting down")
+        self._fail_all("the server is shutting down", RequestFailedError, 503)
 
     # --- what handlers call --------------------------------------------------------------
 
@@ -130,17 +168,27 @@ class AsyncEngine:
         """Requests waiting for a place in the running batch, plus those not yet handed over."""
         return int(self._snapshot.get("num_waiting", 0)) + self._added_since_snapshot + len(self._pending_adds)
 
+    def num_in_flight(self) -> int:
+        """Requests in the server: in the engine (running or waiting) or not yet handed over."""
+        return len(self._streams) + len(self._pending_adds)
+
     async def add(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any) -> RequestStream:
         """Queue a request for the next step; returns its stream once the engine accepted it.
 
-        Raises :class:`QueueFullError` when ``max_waiting`` requests already wait, and the
-        engine's :class:`KVLedgerError` (with the numbers) when the request can never fit.
+        Raises :class:`QueueFullError` when ``max_num_seqs + max_waiting`` requests are already in
+        the server (a full batch and a full queue behind it), :class:`RequestFailedError` (503)
+        once the server is shutting down, and the engine's :class:`KVLedgerError` (with the
+        numbers) when the request can never fit.
         """
+        if not self.accepting:
+            raise RequestFailedError("the server is shutting down; send the request elsewhere", status=503)
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
-        if self.num_waiting() >= self.max_waiting:
-            raise QueueFullError(f"{self.num_waiting()} requests are already waiting "
-                                 f"(--max-waiting-requests {self.max_waiting}); retry later")
+        in_flight = self.num_in_flight()
+        if in_flight >= self.max_running + self.max_waiting:
+            raise QueueFullError(f"{in_flight - self.max_running} requests are already waiting behind "
+                                 f"{self.max_running} running (--max-num-seqs {self.max_running}, "
+                                 f"--max-waiting-requests {self.max_waiting}); retry later")
         stream = RequestStream(request_id, len(prompt_token_ids), time.perf_counter())
         done = asyncio.get_running_loop().create_future()
         self._pending_adds.append(_PendingAdd(stream, prompt_token_ids, sampling_params, done))
@@ -259,27 +307,29 @@ class AsyncEngine:
                 stream.num_output_tokens += len(new_ids)
                 if m is not None:
                     m.generation_tokens.inc(len(new_ids))
-            delta = Delta(out.text_delta, out.finished, out.finish_reason if out.finished else None,
-                          stream.num_output_tokens)
             if out.finished:
                 del self._streams[out.request_id]
                 if m is not None:
                     m.e2e.observe(now - stream.arrival)
                     m.request_finished(out.finish_reason or "stop")
-            stream.queue.put_nowait(delta)
+            if out.error is not None:  # this request failed in the step; the others did not
+                stream.queue.put_nowait(RequestFailedError(out.error))
+                continue
+            stream.queue.put_nowait(Delta(out.text_delta, out.finished, out.finish_reason if out.finished else None,
+                                          stream.num_output_tokens))
 
-    def _fail_all(self, reason: str) -> None:
-        """End every request in flight and every add not yet answered with ``reason``."""
+    def _fail_all(self, message: str, kind: type[RequestFailedError] = EngineDeadError, status: int = 500) -> None:
+        """End every request in flight and every add not yet answered with ``kind(message, status)``."""
         for rid, stream in list(self._streams.items()):
             try:
                 self.engine.abort_request(rid)
             except Exception:
                 log.exception("abort after a failed step")
-            stream.queue.put_nowait(EngineDeadError(reason))
+            stream.queue.put_nowait(kind(message, status))
         self._streams.clear()
         for p in self._pending_adds:
             if not p.done.done():
-                p.done.set_exception(EngineDeadError(reason))
+                p.done.set_exception(kind(message, status))
         self._pending_adds.clear()
         self._pending_aborts.clear()
 

@@ -1,8 +1,9 @@
 """OpenAI-style error objects: ``{"error": {"message", "type", "param", "code"}}``.
 
 Every failure the server reports goes through :class:`APIError`, so a client sees one shape
-for a bad field (400), a bad key (401), an unknown model (404), a body too large (413), a
-full queue (503, with ``Retry-After``) and a bug (500). ``type`` uses OpenAI's names.
+for a bad field (400), a bad key (401), an unknown model (404), a body too slow (408), a body
+too large (413), a full queue or a shutdown (503) and a failure inside the engine (500).
+``type`` uses OpenAI's names.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     503: "overloaded_error",
 }

@@ -1,7 +1,8 @@
 """Request and response bodies of the OpenAI API, as pydantic models.
 
 Requests are validated strictly from the raw JSON bytes: wrong types are not coerced
-(``"max_tokens": "5"`` is an error), fields we do not know are rejected by name, and
+(``"max_tokens": "5"`` is an error), numbers must be finite (``NaN``, ``Infinity``, ``1e999``
+are errors), integer parameters must fit in 64 bits, fields we do not know are rejected by name, and
 OpenAI fields we do not implement are accepted only at their no-op values (``n=1``,
 ``echo=false``, ``logprobs=null``, penalties 0, ...), so a client never gets silently
 different behaviour. Extra fields that vLLM accepts (``top_k``, ``ignore_eos``,
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvledger.engine.sampling_params import INT64_MAX, INT64_MIN
 from kvledger.server.errors import APIError
 
 
@@ -23,8 +25,12 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's default ``max_tokens`` for ``/v1/completions`` (chat defaults to the context's room)."""
 
 
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+"""An integer parameter: what a 64-bit tensor holds, as in vLLM."""
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -45,23 +51,23 @@ class _SamplingFields(_Strict):
     """Fields shared by completions and chat: sampling, stopping and streaming."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     user: str | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling parameters
-    top_k: int | None = Field(default=None, ge=-1)
-    min_tokens: int = Field(default=0, ge=0)
+    top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
+    min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     repetition_penalty: float | None = 1.0
@@ -119,7 +125,7 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt`` is text or token ids; one prompt per request."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
+    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1, le=INT64_MAX)
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -165,7 +171,7 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``: text messages through the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None

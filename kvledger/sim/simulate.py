@@ -17,7 +17,7 @@ import numpy as np
 from kvledger.engine.config import EngineConfig
 from kvledger.errors import KVLedgerError
 from kvledger.metrics.serving import SLO, RequestResult, ServingMetrics, calculate_metrics, evaluate_slo
-from kvledger.sim.driver import Replica, StepTimer, run
+from kvledger.sim.driver import Replica, run
 from kvledger.sim.requests import SimRequest, make_request
 from kvledger.sim.routers import make_router
 from kvledger.workload.sampling import SampledRequest
