@@ -120,7 +120,16 @@ def test_wrong_type_in_chat_messages_is_400(server, client):
     err = error_of(post(server, {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},
                         path="/v1/chat/completions"), 400)
     assert "messages[0].role" in err["message"]
+    err = error_of(post(server, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}, {"role": "user"}]},
+                        path="/v1/chat/completions"), 400)
+    assert "messages[1].content" in err["message"] and err["param"] == "messages"
     assert_still_serving(client)
+
+
+def test_temperature_beyond_a_double_is_400(server):
+    """``1e400`` parses as infinity: refused, naming the field."""
+    err = error_of(post(server, '{"model": "%s", "prompt": "hi", "max_tokens": 2, "temperature": 1e400}' % MODEL), 400)
+    assert err["param"] == "temperature" and "temperature" in err["message"]
 
 
 @pytest.mark.parametrize("path,body,needle", [

@@ -155,13 +155,14 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
+    """One message; ``content`` is required (OpenAI lets an assistant message omit it only beside
+    ``tool_calls``, which this server does not take)."""
+
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart]
     name: str | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)

@@ -100,20 +100,21 @@ def result_of(r: SimRequest) -> RequestResult:
 def saturation(requests: list[SimRequest], replicas: list[Replica], metrics: ServingMetrics) -> dict[str, Any]:
     """Whether arrivals outpace service, and the request rate at which that starts.
 
-    The queue is the requests that have arrived and have no first token yet. Saturated: over the
-    second half of the arrival window it grows by more than a tenth of the requests that arrive
-    in that half (and by at least 8): a stable system keeps it near ``rate x TTFT``, an overloaded
-    one adds ``(arrival rate - service rate) x t``. The saturation rate, given when saturated, is
+    The backlog is the requests that have arrived and not finished (waiting or running: with
+    continuous batching and a roomy pool an overload shows as a growing running set before it
+    shows as a queue). Saturated: over the second half of the arrival window it grows by more
+    than a tenth of the requests that arrive in that half (and by at least 8): a stable system
+    keeps it near ``rate x E2EL``, an overloaded one adds ``(arrival rate - service rate) x t``. The saturation rate, given when saturated, is
     the service rate: requests finished per second of the run, the replicas busy throughout
     (arrivals above it queue without bound). Unsaturated runs give none: with continuous batching
     a busy share says nothing about capacity (a batch of one keeps a card busy)."""
     arrivals = np.sort(np.fromiter((r.arrival_time for r in requests), float, len(requests)))
-    firsts = np.sort(np.fromiter((r.first_token_time for r in requests), float, len(requests)))
+    ends = np.sort(np.fromiter((r.finish_time for r in requests), float, len(requests)))
     last = float(arrivals[-1]) if len(arrivals) else 0.0
     mid = last / 2
 
     def queued(t: float) -> int:
-        return int(np.searchsorted(arrivals, t, "right") - np.searchsorted(firsts, t, "right"))
+        return int(np.searchsorted(arrivals, t, "right") - np.searchsorted(ends, t, "right"))
 
     arrived = int(np.searchsorted(arrivals, last, "right") - np.searchsorted(arrivals, mid, "right"))
     growth = queued(last) - queued(mid)
