@@ -38,6 +38,10 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     seed: int | None = 0
     tokenizer: str | None = None
+    enforce_eager: bool = False
+    """vLLM's switch that keeps the model step out of ``torch.compile``. kvledger's step runs eagerly
+    whatever its value (there is no compiled path yet); it is accepted so that vLLM scripts and
+    command lines run unchanged, and will keep its meaning if a compiled step is added."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -86,6 +90,8 @@ def add_engine_args(parser: Any) -> None:
                    help="bytes for the KV block pool, e.g. 512MiB (default: CPU 10%% of available RAM, at most "
                         "4 GiB; CUDA 90%% of free memory)")
     g.add_argument("--kv-cache-dtype", default="auto", help="KV cache element type (default auto = --dtype)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="never compile the model step (vLLM's flag; kvledger's step is eager today either way)")
     g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None, metavar="N",
                    help="exact number of KV blocks (overrides --kv-cache-memory)")
 
