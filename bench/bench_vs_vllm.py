@@ -37,6 +37,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
-    parser.add_argument("--log", type=Path, default=Path("bench_vs_vllm.vllm.log"), help="vLLM's output goes here")
+    parser.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "bench_vs_vllm.vllm.log",
+                        help="vLLM's output goes here (default: in the temporary directory)")
     args = parser.parse_args(argv)
     if not (args.peer / "venv" / "bin" / "python").exists() or not (args.peer / "smollm2-hf" / "config.json").exists():
         print(f"The vLLM peer is not installed at {args.peer}. Install it (about 1.5 GB, a few minutes, outside the "
