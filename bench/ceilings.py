@@ -14,16 +14,35 @@ TRACES = ROOT.parent / "shared" / "data" / "traces"
 DEFAULT_TRACE = TRACES / "azure2023_conv.csv"
 
 
-def matmul_flops(n: int = 2048, repeat: int = 8) -> float:
-    """Best float32 matmul rate (FLOP/s) of an n x n x n product."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
+def _best_seconds(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
+    fn()
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()
-        a @ b
+        fn()
         best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
+    return best
+
+
+def matmul_flops(n: int = 2048, repeat: int = 8, dtype: torch.dtype = torch.float32) -> float:
+    """Best ``torch.matmul`` rate (FLOP/s) of an n x n x n product in ``dtype``."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return 2 * n**3 / _best_seconds(lambda: a @ b, repeat)
+
+
+def matmul_kernels(n: int = 2048, repeat: int = 8, dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """The n x n x n product's best rate (FLOP/s) in ``dtype`` per CPU kernel: ``torch.matmul``
+    (MKL for float32) and oneDNN with the weight prepacked once (the product
+    :mod:`kvledger.layers.linear` runs in bfloat16), measured in every dtype whether or not the
+    engine uses it there. The machine's ceiling is the larger of the two."""
+    from kvledger.layers.linear import linear
+
+    x, w = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    rates = {"torch.matmul": 2 * n**3 / _best_seconds(lambda: x @ w.t(), repeat)}
+    if torch.backends.mkldnn.is_available():
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        rates["oneDNN prepacked"] = 2 * n**3 / _best_seconds(lambda: linear(x, w, packed=packed), repeat)
+    return rates
 
 
 def bandwidth(nbytes: int = 1 << 30, repeat: int = 6) -> tuple[float, float]:

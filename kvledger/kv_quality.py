@@ -23,7 +23,7 @@ The default text is the Python language reference shipped with Python itself
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -211,3 +211,34 @@ def run_kv_quality(cfg: QualityConfig, progress: bool = False) -> dict[str, Dtyp
 
 def to_json(report: dict[str, DtypeQuality]) -> dict:
     return {name: asdict(q) for name, q in report.items()}
+
+
+def run_dtype_quality(cfg: QualityConfig, dtype: str = "bfloat16") -> DtypeQuality:
+    """The whole model in ``dtype`` (weights, activations and cache) against the same model in
+    ``cfg.dtype`` (float32), teacher-forced over the same text chunk by chunk: the statistics of
+    :func:`run_kv_quality` (KL, top-1 agreement, perplexity per bucket) for the model dtype rather
+    than the cache's. ``cfg.kv_cache_dtypes`` is ignored and no greedy continuation is generated
+    (``greedy_divergence`` is None)."""
+    if cfg.num_buckets < 1 or cfg.max_tokens < cfg.num_buckets + 1:
+        raise KVLedgerError(f"--max-tokens {cfg.max_tokens} is too short for {cfg.num_buckets} buckets")
+    text, source = load_text(cfg.text)
+    plain = replace(cfg, kv_cache_dtypes=())
+    reference = _Scorer(plain, cfg.max_tokens)
+    other = _Scorer(replace(plain, dtype=dtype), cfg.max_tokens)
+    ids = reference.engine.tokenizer(text, add_special_tokens=False)["input_ids"][: cfg.max_tokens]
+    if len(ids) < cfg.num_buckets + 1:
+        raise KVLedgerError(f"the text has only {len(ids)} tokens; give a longer --text")
+    tokens = torch.tensor(ids)
+    positions = len(ids) - 1
+    acc = _Accumulator(positions, cfg.num_buckets)
+    for start in range(0, positions, cfg.chunk_tokens):
+        chunk = tokens[start:min(start + cfg.chunk_tokens, positions)]
+        targets = tokens[start + 1:start + 1 + chunk.shape[0]]
+        ref = F.log_softmax(reference.logits("reference", chunk, start), dim=-1)
+        acc.add(start, ref, F.log_softmax(other.logits("reference", chunk, start), dim=-1), targets)
+    meta = {"model": other.engine.model_name, "text": source, "tokens": len(ids), "reference": cfg.dtype,
+            "dtype": dtype}
+    return DtypeQuality(kv_cache_dtype=other.engine.kv_cache_dtype, positions=positions, buckets=acc.buckets(),
+                        ppl_total=math.exp(acc.nll.mean().item()), top1_total=acc.agree.mean().item(),
+                        kl_total=acc.kl.mean().item(), greedy_divergence=None,
+                        cache_bytes=other.caches["reference"].measured_bytes, meta=meta)

@@ -25,6 +25,16 @@ def test_generate_json_reports_text_tokens_and_kv_bytes():
     assert kv["blocks_allocated_peak"] == 1  # 5 prompt + 8 new tokens fit one 16-token block
 
 
+def test_generate_bfloat16_with_enforce_eager():
+    """The interface's bfloat16 run with vLLM's --enforce-eager: a bfloat16 cache (half the bytes)."""
+    result = kvledger("generate", "The capital of France is", "--max-tokens", "8", "--json", "--dtype", "bfloat16",
+                      "--enforce-eager", "--kv-cache-memory", "64MiB", "--ignore-eos")
+    assert result.returncode == 0, result.stderr
+    out = result.json()
+    assert len(out["token_ids"]) == 8 and out["finish_reason"] == "length"
+    assert out["kv"]["bytes_per_token"] == 46080 // 2
+
+
 def test_generate_streams_text_then_prints_the_ledger():
     result = kvledger("generate", "--model", "smollm2-135m", "--chat", "Say hello.", "--max-tokens", "12",
                       "--kv-cache-memory", "64MiB", "--block-size", "32", "--seed", "1")

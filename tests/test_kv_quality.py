@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.kv_quality import QualityConfig, run_kv_quality
+from kvledger.kv_quality import QualityConfig, run_dtype_quality, run_kv_quality
 from tests.cli_helpers import assert_one_line_error, kvledger
 
 
@@ -42,3 +42,15 @@ def test_bad_input(tmp_path):
                           "no such text file")
     assert_one_line_error(kvledger("kv-quality", "--kv-cache-dtype", "int4"), "int4")
     assert_one_line_error(kvledger("kv-quality", "--plot", "out.svg"), ".png")
+
+
+@pytest.mark.slow
+def test_bfloat16_model_keeps_top1_of_float32_over_4000_positions():
+    """The issue's bar for bfloat16 as a first-class dtype: teacher-forced top-1 agreement with the
+    float32 model at least 0.97 over at least 4,000 positions of a long real text."""
+    q = run_dtype_quality(QualityConfig(max_tokens=4097, num_buckets=4), "bfloat16")
+    assert q.positions >= 4000
+    assert q.meta["reference"] == "float32" and q.meta["dtype"] == "bfloat16"
+    assert q.kv_cache_dtype == "bfloat16"  # the bfloat16 model's own cache
+    assert q.kl_total > 0  # the two models really differ
+    assert q.top1_total >= 0.97, q.top1_total

@@ -48,6 +48,10 @@ class EngineConfig:
     KV pool gets that share less what is already in use. None: the defaults above."""
     seed: int | None = 0
     tokenizer: str | None = None
+    enforce_eager: bool = False
+    """vLLM's switch that keeps the model step out of ``torch.compile``. kvledger's step runs eagerly
+    whatever its value (there is no compiled path yet); it is accepted so that vLLM scripts and
+    command lines run unchanged, and will keep its meaning if a compiled step is added."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -108,6 +112,8 @@ def add_engine_args(parser: Any) -> None:
     g.add_argument("--gpu-memory-utilization", type=fraction, default=None, metavar="F",
                    help="share of the device's memory (of RAM on CPU) the engine may use; the KV pool gets it less "
                         "what is in use (default: the --kv-cache-memory defaults)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="never compile the model step (vLLM's flag; kvledger's step is eager today either way)")
     g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None, metavar="N",
                    help="exact number of KV blocks (overrides --kv-cache-memory)")
 

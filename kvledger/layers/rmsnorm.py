@@ -14,9 +14,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (x.shape[-1],)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused op, same formula
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+            return F.rms_norm(x, shape, self.weight, self.eps)
+        # 16-bit: normalised in float32 (one fused op), rounded to the model dtype, then scaled
+        return self.weight * F.rms_norm(x.to(torch.float32), shape, None, self.eps).to(x.dtype)

@@ -19,7 +19,7 @@ from torch import nn
 from kvledger.errors import KVLedgerError
 from kvledger.layers.activation import silu_and_mul
 from kvledger.layers.attention import AttentionMetadata, paged_attention
-from kvledger.layers.linear import linear
+from kvledger.layers.linear import Linear, linear, pack_weight
 from kvledger.layers.paged_kv import KVCache
 from kvledger.layers.rmsnorm import RMSNorm
 from kvledger.layers.rotary import RotaryEmbedding, apply_rotary
@@ -37,8 +37,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(config.get("attention_bias", config["model_type"] == "qwen2"))
-        self.qkv_proj = nn.Linear(config["hidden_size"], self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config["hidden_size"], bias=False)
+        self.qkv_proj = Linear(config["hidden_size"], self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, config["hidden_size"], bias=False)
         self.qk_norm = config["model_type"] == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
@@ -46,8 +46,9 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVCache,
-                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+                cos_sin: tuple[torch.Tensor, torch.Tensor], residual: torch.Tensor) -> torch.Tensor:
+        """``residual`` plus the attention block's output, ``[N, hidden]``."""
+        qkv = self.qkv_proj(x)
         n, h = qkv.shape[0], self.num_heads
         # queries and keys are rotated together as one [N, H + H_kv, d] view
         qk = qkv[:, : self.q_size + self.kv_size].view(n, h + self.num_kv_heads, self.head_dim)
@@ -57,17 +58,18 @@ class Attention(nn.Module):
         qk = apply_rotary(qk, *cos_sin)
         q, k = qk[:, :h], qk[:, h:]
         o = paged_attention(self.layer, q, k, v, meta, cache, self.scale)
-        return linear(o.reshape(-1, self.q_size), self.o_proj.weight)
+        return self.o_proj(o.reshape(-1, self.q_size), residual)
 
 
 class MLP(nn.Module):
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config["hidden_size"], 2 * config["intermediate_size"], bias=False)
-        self.down_proj = nn.Linear(config["intermediate_size"], config["hidden_size"], bias=False)
+        self.gate_up_proj = Linear(config["hidden_size"], 2 * config["intermediate_size"], bias=False)
+        self.down_proj = Linear(config["intermediate_size"], config["hidden_size"], bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(silu_and_mul(linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual`` plus the MLP's output, ``[N, hidden]``."""
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)), residual)
 
 
 class DecoderLayer(nn.Module):
@@ -79,8 +81,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, h, meta, cache, cos_sin):  # type: ignore[no-untyped-def]
-        h = h + self.self_attn(self.input_layernorm(h), meta, cache, cos_sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = self.self_attn(self.input_layernorm(h), meta, cache, cos_sin, residual=h)
+        return self.mlp(self.post_attention_layernorm(h), residual=h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -100,6 +102,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
         self.rope: RotaryEmbedding | None = None
+        self.lm_head_packed: torch.Tensor | None = None  # pack_weight(lm_head_weight), set by pack()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -114,7 +117,15 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             h = layer(h, meta, cache, cos_sin)
         h = self.norm(h[logits_indices])
-        return linear(h, self.lm_head_weight).float()
+        return linear(h, self.lm_head_weight, packed=self.lm_head_packed).float()
+
+    def pack(self) -> None:
+        """Prepack every projection weight for the CPU kernels (:mod:`kvledger.layers.linear`); done
+        by :meth:`load_hf_state_dict`, again by whoever changes the weights afterwards."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        self.lm_head_packed = pack_weight(self.lm_head_weight)
 
     def set_rope(self, max_len: int) -> None:
         """Precompute RoPE tables for positions ``[0, max_len)``."""
@@ -160,3 +171,4 @@ class LlamaForCausalLM(nn.Module):
         missing = absent or sorted(set(own) - loaded)
         if missing:
             raise KVLedgerError(f"checkpoint lacks {len(missing)} tensors: {', '.join(missing)}")
+        self.pack()
