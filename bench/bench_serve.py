@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -26,6 +27,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Iterator
 
 from tabulate import tabulate
 
@@ -57,21 +59,28 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 300) -> None:
     raise RuntimeError(f"{url} did not come up in {timeout} s")
 
 
-def run_against(cmd: list[str], url: str, cfg) -> tuple:
-    from kvledger.bench.serve import run_benchmark
-
+@contextlib.contextmanager
+def serving(cmd: list[str], url: str) -> Iterator[subprocess.Popen]:
+    """A server process started from ``cmd``, ready at ``url``, stopped on exit."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         wait_ready(proc, url)
-        cfg.base_url = url
-        return asyncio.run(run_benchmark(cfg))
+        yield proc
     finally:
         proc.terminate()
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def run_against(cmd: list[str], url: str, cfg) -> tuple:
+    from kvledger.bench.serve import run_benchmark
+
+    with serving(cmd, url):
+        cfg.base_url = url
+        return asyncio.run(run_benchmark(cfg))
 
 
 def main() -> int:

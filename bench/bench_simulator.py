@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import tempfile
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import free_port, wait_ready  # noqa: E402
+from bench_serve import free_port, serving  # noqa: E402
 from ceilings import TRACES  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -76,20 +75,10 @@ def serve_and_bench(serve_flags: list[str], bench_flags: dict, rate: float) -> t
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([str(BIN / "kvledger"), "serve", "--port", str(port), *serve_flags],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    try:
-        wait_ready(proc, url)
+    with serving([str(BIN / "kvledger"), "serve", "--port", str(port), *serve_flags], url):
         cfg = BenchConfig(base_url=url, request_rate=rate, ignore_eos=True, **bench_flags)
         metrics, _ = asyncio.run(run_benchmark(cfg))
         ledger = httpx.get(url + "/dashboard/ledger.json", timeout=30).json()["latest"]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     if metrics.failed:
         raise RuntimeError(f"{metrics.failed} requests failed: {metrics.errors[:1]}")
     return metrics.__dict__, ledger
