@@ -335,7 +335,9 @@ def plan_memory(
     warning = kv_dtype_warning(gpu, kvb.kv_cache_dtype)
     parts = weight_bytes_breakdown(spec, weights_dtype, dtype=dtype, quantization=quantization)
     all_weights = parts.total
-    weights = parts.per_rank(spec.num_layers, layers, tp, first_stage=pp == 1, last_stage=True)
+    # --overhead is the chapter's whole bill beside the checkpoint's tensors: the rotary table is in it
+    weights = parts.per_rank(spec.num_layers, layers, tp, first_stage=pp == 1, last_stage=True,
+                             rope_cache=overhead is None)
     overheads_at = partial(overheads, spec, overhead=overhead, activation=activation, non_torch=non_torch,
                            max_num_batched_tokens=batched, max_num_seqs=seqs, pipeline_parallel_size=pp,
                            act_bytes=act_bytes)

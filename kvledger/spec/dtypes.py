@@ -7,6 +7,12 @@ Names are vLLM's ``--kv-cache-dtype`` choices where vLLM has the layout:
 * ``int8_per_token_head`` / ``fp8_per_token_head``: one byte per element plus one float32 scale
   per token, per KV head, for K and for V, carved from the same pool (vLLM's
   ``AttentionSpec.page_size_bytes`` adds ``2 x block_size x H_kv x 4`` per layer per block);
+* ``int4_per_token_head``: two 4-bit elements packed per byte (``head_size // 2`` bytes per
+  head for K and for V) plus one float32 scale per token, per KV head, for K and for V; the
+  4-bit zero point rides in the scale's low mantissa bits, so it costs nothing more (vLLM's
+  ``TritonAttentionBackend.customize_spec``: ``(d/2 + d/2) + 2 x 4`` bytes per token per head).
+  The elements are rotated (a randomized Hadamard transform) before packing; that changes the
+  values, not the bytes;
 * ``int8``: kvledger's own engine cache, one byte per element plus one **float16** scale per
   token, per KV head, for K and V. It is not vLLM's ``int8_per_token_head``: same granularity,
   half the scale bytes (vLLM keeps float32 scales).
@@ -16,8 +22,8 @@ from __future__ import annotations
 
 from kvledger.errors import KVLedgerError
 
-# Element size in bytes of each ``--kv-cache-dtype``. ``auto`` is the model's dtype.
-KV_CACHE_DTYPE_BYTES: dict[str, int] = {
+# Element size in bytes of each ``--kv-cache-dtype`` (0.5 for a packed 4-bit cache). ``auto`` is the model's dtype.
+KV_CACHE_DTYPE_BYTES: dict[str, float] = {
     "float32": 4,
     "bfloat16": 2,
     "float16": 2,
@@ -27,12 +33,14 @@ KV_CACHE_DTYPE_BYTES: dict[str, int] = {
     "int8": 1,
     "int8_per_token_head": 1,
     "fp8_per_token_head": 1,
+    "int4_per_token_head": 0.5,
 }
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", *KV_CACHE_DTYPE_BYTES)
 """Every cache the planner and ``kv-bytes`` count."""
 ENGINE_KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 """The caches kvledger's engine implements."""
-PER_TOKEN_SCALE_BYTES: dict[str, int] = {"int8": 2, "int8_per_token_head": 4, "fp8_per_token_head": 4}
+PER_TOKEN_SCALE_BYTES: dict[str, int] = {"int8": 2, "int8_per_token_head": 4, "fp8_per_token_head": 4,
+                                         "int4_per_token_head": 4}
 """Bytes of the scale each token keeps per KV head, for K and for V."""
 PER_LAYER_SCALE_DTYPES: tuple[str, ...] = ("fp8", "fp8_e4m3", "fp8_e5m2")
 """Caches with one float32 K scale and one V scale per layer (and none per token)."""
@@ -40,7 +48,8 @@ PER_LAYER_SCALE_DTYPES: tuple[str, ...] = ("fp8", "fp8_e4m3", "fp8_e5m2")
 KV_CACHE_DTYPE_BYTES["float64"] = 8
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 # Quantized kinds store scales beside the elements; see scale_bytes_per_token in kv_bytes.
-QUANTIZED_KV_DTYPES: tuple[str, ...] = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head")
+QUANTIZED_KV_DTYPES: tuple[str, ...] = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head",
+                                        "int4_per_token_head")
 ENGINE_QUANTIZED_KV_DTYPES: tuple[str, ...] = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 """The quantized caches the engine (and ``kv-quality``) runs."""
 KV_QUALITY_DEFAULT_KINDS: tuple[str, ...] = ("int8", "fp8_e4m3", "fp8_e5m2")

@@ -57,8 +57,8 @@ class KVBytes:
     """``H_kv`` per rank."""
     head_dim: int
     """``d_h`` (for MLA: latent width)."""
-    element_bytes: int
-    """``s``."""
+    element_bytes: float
+    """``s`` (0.5 for a packed 4-bit cache)."""
     tensor_parallel_size: int
     num_sliding_layers: int
     sliding_window: int | None
@@ -147,7 +147,7 @@ def kv_bytes(
         factor, heads, width = 1, 1, spec.kv_lora_rank + spec.qk_rope_head_dim  # replicated per rank
     else:
         factor, heads, width = 2, max(1, spec.num_kv_heads // tp), spec.head_dim
-    per_layer_token = factor * heads * width * s
+    per_layer_token = int(factor * heads * width * s)  # whole bytes: d_h is even, 4-bit pairs pack
     per_token = num_layers * per_layer_token
     window = spec.sliding_window
     sliding_tokens = min(tokens, window) if window else tokens

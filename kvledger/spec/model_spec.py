@@ -22,6 +22,8 @@ from kvledger.errors import ConfigError
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+CHUNKED = "chunked_attention"
+"""Llama 4's local layers: attention within fixed chunks of ``attention_chunk_size`` tokens."""
 
 # Defaults of transformers' configuration classes for keys that published files omit.
 # {model_type: {key: default}}; only keys that matter for Eq 2.2 or the weight count.
@@ -304,6 +306,15 @@ def _layer_types(cfg: dict[str, Any], model_type: str, num_layers: int, max_pos:
         if len(explicit) != num_layers:
             raise ConfigError(f"{where}: layer_types has {len(explicit)} entries but num_hidden_layers is {num_layers}")
         types = tuple(SLIDING if t == SLIDING else FULL for t in explicit)
+    elif model_type == "llama4_text" and cfg.get("attention_chunk_size"):
+        # transformers' Llama4TextConfig: the RoPE layers attend within chunks, every 4th (NoPE) is global
+        nope = cfg.get("no_rope_layers")
+        if not isinstance(nope, list) or len(nope) != num_layers:
+            nope = [int((i + 1) % 4 != 0) for i in range(num_layers)]
+        types = tuple(CHUNKED if rope else FULL for rope in nope)
+        notes.append(f"llama4: RoPE layers attend within chunks of {cfg['attention_chunk_size']} tokens, every 4th "
+                     "layer is global (transformers' rule); a chunked layer is counted in full (no saving below "
+                     "one chunk)")
     elif cfg.get("sliding_window") is None:
         types = (FULL,) * num_layers
     elif model_type in _QWEN_STYLE:

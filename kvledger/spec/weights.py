@@ -22,7 +22,11 @@ tensor bytes) is the truth for the checkpoint as stored; every part is scaled by
 ``total_size / computed`` so the split across ranks and stages keeps that total. Where vLLM
 holds more than the checkpoint (mxfp4 experts re-laid out for its kernels on Hopper: the
 validation table shows +6% for gpt-oss-20b), this count is the checkpoint's and the gap is
-reported, not hidden. Sizes are parameters (counts) or bytes as named.
+reported, not hidden. vLLM also holds, on every rank, its rotary cos/sin table
+(``rope_cache_bytes``), which no checkpoint stores: 32 MiB for Llama 3.1's 131,072 positions,
+2.5 GiB for Llama 4's 10,485,760. The per-rank weights the planner subtracts include it (as
+vLLM's "Model loading took" does); ``total`` (the checkpoint) does not. Sizes are parameters
+(counts) or bytes as named.
 """
 
 from __future__ import annotations
@@ -44,6 +48,12 @@ RUNTIME_QUANTIZATIONS: tuple[str, ...] = ("fp8",)
 """vLLM ``--quantization`` methods that quantize an unquantized checkpoint at load time."""
 CHECKPOINT_QUANT_METHODS: tuple[str, ...] = ("fp8", "mxfp4", "awq", "gptq", "compressed-tensors")
 """``quantization_config.quant_method`` values whose bytes are counted."""
+UNGATED_MLP_TYPES: tuple[str, ...] = ("phi", "gpt2", "gpt_neox", "gpt_bigcode", "starcoder2", "falcon", "opt")
+"""Architectures (``model_type``) whose MLP is two biased matrices (up, down) around a GELU,
+not the three of a gated (SwiGLU/GeGLU) MLP; their attention projections are biased too."""
+ONE_SHARED_EXPERT_TYPES: tuple[str, ...] = ("llama4_text",)
+"""MoE architectures with one always-on shared expert of ``intermediate_size`` that the config
+does not name (Llama 4's ``shared_expert`` beside its routed experts)."""
 
 
 @dataclass(frozen=True)
@@ -87,10 +97,13 @@ def count_params(spec: ModelSpec) -> ParamCount:
             attention += L * 2 * d  # q_norm and k_norm
         if spec.model_type == "gpt_oss":
             attention += L * H  # attention sinks
+        if spec.model_type in UNGATED_MLP_TYPES:
+            attention += L * (H * d + 2 * Hkv * d + h)  # q, k, v and output biases
     norms_per_layer = 4 if spec.model_type.startswith("gemma") else 2
     norm = L * norms_per_layer * h + h
     mlp, expert = _mlp_params(spec)
-    return ParamCount(embedding=V * h, lm_head=0 if spec.tie_word_embeddings else V * h, attention=attention,
+    lm_head = 0 if spec.tie_word_embeddings else V * h + (V if spec.model_type in UNGATED_MLP_TYPES else 0)
+    return ParamCount(embedding=V * h, lm_head=lm_head, attention=attention,
                       mlp=mlp, expert=expert, norm=norm, vision=vision_params(spec))
 
 
@@ -119,10 +132,13 @@ def _mla_params(spec: ModelSpec) -> int:
 
 
 def _mlp_params(spec: ModelSpec) -> tuple[int, int]:
-    """(dense MLP params, routed-expert params) over all layers; gated MLPs have 3 matrices."""
+    """(dense MLP params, routed-expert params) over all layers; gated MLPs have 3 matrices,
+    the ungated ones of ``UNGATED_MLP_TYPES`` 2 and their biases."""
     c, h, L = spec.raw_config, spec.hidden_size, spec.num_layers
     gated = 3
     if not spec.is_moe:
+        if spec.model_type in UNGATED_MLP_TYPES:
+            return L * (2 * h * spec.intermediate_size + spec.intermediate_size + h), 0
         return L * gated * h * spec.intermediate_size, 0
     moe_i = spec.moe_intermediate_size or spec.intermediate_size
     dense_layers = int(c.get("first_k_dense_replace", 0))
@@ -134,6 +150,8 @@ def _mlp_params(spec: ModelSpec) -> tuple[int, int]:
     else:
         experts = moe_layers * spec.num_experts * gated * h * moe_i
     shared_i = int(c.get("shared_expert_intermediate_size") or 0) or int(c.get("n_shared_experts") or 0) * moe_i
+    if spec.model_type in ONE_SHARED_EXPERT_TYPES:
+        shared_i = moe_i
     shared = moe_layers * gated * h * shared_i
     dense = dense_layers * gated * h * spec.intermediate_size
     return dense + shared + router, experts
@@ -158,22 +176,43 @@ class WeightBytes:
     """Bytes of the routed experts (part of ``layers``): what a decode step reads only in part."""
     vision: int = 0
     """Bytes of a vision tower (part of ``embedding``): not read by a text decode step."""
+    rope_cache: int = 0
+    """Bytes of vLLM's rotary cos/sin table (``rope_cache_bytes``): no checkpoint tensor, so not
+    in ``total``, but a buffer every rank allocates while loading."""
 
     @property
     def total(self) -> int:
         return self.embedding + self.lm_head + self.layers + self.final_norm
 
     def per_rank(self, num_layers: int, stage_layers: int, tensor_parallel_size: int = 1,
-                 first_stage: bool = True, last_stage: bool = True) -> int:
+                 first_stage: bool = True, last_stage: bool = True, rope_cache: bool = True) -> int:
         """Bytes on one rank of a stage holding ``stage_layers`` of ``num_layers`` layers. vLLM
         shards the vocabulary of the embedding and of ``lm_head`` over TP ranks, as it does the
-        linear layers; norms are small and counted once per stage."""
+        linear layers; norms are small and counted once per stage. ``rope_cache``: add the rotary
+        table every rank holds (what vLLM's "Model loading took" counts beside the tensors)."""
         part = self.layers * stage_layers / num_layers
         if first_stage:
             part += self.embedding
         if last_stage:
             part += self.lm_head + self.final_norm
-        return math.ceil(part / tensor_parallel_size)
+        return math.ceil(part / tensor_parallel_size) + (self.rope_cache if rope_cache else 0)
+
+
+def rope_cache_bytes(spec: ModelSpec, element_bytes: int) -> int:
+    """vLLM's rotary table: ``cos`` and ``sin`` for every position up to the config's
+    ``max_position_embeddings`` (times a YaRN ``factor`` over its original length), ``rotary_dim``
+    values per position (``head_dim x partial_rotary_factor``; ``qk_rope_head_dim`` for MLA), in
+    the model dtype, one per rank and shared by the layers (a second one for Gemma 3's local
+    layers, which rotate with their own base). It is what Llama 4's 10M-position context costs:
+    10,485,760 x 128 x 2 B = 2.5 GiB on every rank. Bytes."""
+    c = spec.raw_config
+    rotary_dim = int(spec.qk_rope_head_dim) if spec.is_mla else int(spec.head_dim * float(c.get("partial_rotary_factor") or 1))
+    positions = int(c.get("max_position_embeddings") or 0)
+    scaling = c.get("rope_scaling") if isinstance(c.get("rope_scaling"), dict) else {}
+    if (scaling.get("rope_type") or scaling.get("type")) == "yarn" and scaling.get("original_max_position_embeddings"):
+        positions = int(scaling["original_max_position_embeddings"] * float(scaling.get("factor") or 1))
+    tables = 2 if c.get("rope_local_base_freq") else 1
+    return tables * positions * rotary_dim * element_bytes
 
 
 def checkpoint_dtype(spec: ModelSpec) -> str:
@@ -236,7 +275,8 @@ def weight_bytes_breakdown(spec: ModelSpec, weights_dtype: str | None = None, *,
         experts = linear * expert_share
     computed = WeightBytes(embedding=embedding * s, lm_head=int(params.lm_head * head_s),
                            layers=int(linear + layer_norms * s), final_norm=spec.hidden_size * s,
-                           dtype=unq, quantization=kind, experts=int(experts), vision=params.vision * s)
+                           dtype=unq, quantization=kind, experts=int(experts), vision=params.vision * s,
+                           rope_cache=rope_cache_bytes(spec, s))
     published = spec.weights_bytes_published
     if not published:
         return computed
@@ -249,7 +289,7 @@ def weight_bytes_breakdown(spec: ModelSpec, weights_dtype: str | None = None, *,
     return WeightBytes(embedding=round(computed.embedding * factor), lm_head=round(computed.lm_head * factor),
                        layers=round(computed.layers * factor), final_norm=round(computed.final_norm * factor),
                        dtype=unq, quantization=kind, experts=round(computed.experts * factor),
-                       vision=round(computed.vision * factor))
+                       vision=round(computed.vision * factor), rope_cache=computed.rope_cache)
 
 
 def _linear_rows(spec: ModelSpec) -> int:
