@@ -109,53 +109,57 @@ def one_kv_head_llama(tmp_path_factory):
 
 
 def test_one_kv_head_replicated_at_tp2_through_the_cli(one_kv_head_llama):
-    args = ["generate", "Paged attention splits the cache", "--model", str(one_kv_head_llama), "--max-tokens", "24",
-            "--ignore-eos", "--num-gpu-blocks-override", "40", "--json"]
-    tp1 = kvledger(*args)
-    tp2 = kvledger(*args, "--tensor-parallel-size", "2")
-    assert tp1.returncode == 0 and tp2.returncode == 0, tp2.stderr
-    one, two = tp1.json(), tp2.json()
-    assert two["token_ids"] == one["token_ids"] and len(two["token_ids"]) == 24
-    kv = two["kv"]
-    per_rank = kvledger("kv-bytes", str(one_kv_head_llama / "config.json"), "--tokens", str(40 * 16),
-                        "--tensor-parallel-size", "2", "--kv-cache-dtype", "float32", "--json").json()["total_bytes"]
-    assert kv["ranks"] == 2 and kv["bytes_per_rank"] == per_rank == one["kv"]["measured_bytes"]  # the head is copied
-    assert kv["measured_bytes"] == 2 * per_rank
-
-
-def test_a_killed_rank_ends_the_engine_with_one_error(one_kv_head_llama):
     from kvledger import SamplingParams
-    from kvledger.distributed.executor import RankFailure
     from kvledger.engine.config import EngineConfig
     from kvledger.engine.llm_engine import LLMEngine
+    from kvledger.spec import ModelSpec, kv_bytes
 
-    engine = LLMEngine(EngineConfig(model=str(one_kv_head_llama), num_gpu_blocks_override=64,
-                                    tensor_parallel_size=2))
-    try:
-        victim = engine.executor.procs[0]
-        engine.add_request("0", [5, 6, 7, 8], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
-        for _ in range(3):
-            engine.step()
-        killer = threading.Timer(0.2, os.kill, (victim.pid, signal.SIGKILL))
-        killer.start()
-        start = time.monotonic()
-        with pytest.raises(RankFailure) as info:
-            while engine.has_unfinished_requests():
-                engine.step()
-        elapsed = time.monotonic() - start
-        assert elapsed < 30, f"the engine took {elapsed:.1f} s to notice"
-        assert "rank 1 of 2" in str(info.value) and f"pid {victim.pid}" in str(info.value)
-        assert not engine.has_unfinished_requests()  # the step's requests were aborted, their blocks freed
-        assert engine.pool.num_free_blocks == engine.pool.num_blocks
-        with pytest.raises(RankFailure, match="rank 1 of 2"):  # and it stays stopped, at once
-            engine.add_request("1", [5, 6], SamplingParams(max_tokens=2))
-            engine.step()
-    finally:
-        engine.shutdown()
+    prompt = "Paged attention splits the cache"
+    tp2 = kvledger("generate", prompt, "--model", str(one_kv_head_llama), "--max-tokens", "24", "--ignore-eos",
+                   "--num-gpu-blocks-override", "40", "--tensor-parallel-size", "2", "--json")
+    assert tp2.returncode == 0, tp2.stderr
+    two = tp2.json()
+    tp1 = LLMEngine(EngineConfig(model=str(one_kv_head_llama), num_gpu_blocks_override=40))
+    tp1.add_request("0", tp1.tokenizer.encode(prompt), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    while tp1.has_unfinished_requests():
+        (out,) = tp1.step()
+    assert two["token_ids"] == out.outputs[0].token_ids and len(two["token_ids"]) == 24
+    spec = ModelSpec.from_config_dict({**tp1.hf_config, "torch_dtype": "float32"})
+    per_rank = kv_bytes(spec, "float32", tokens=40 * 16, tensor_parallel_size=2).total_bytes
+    kv = two["kv"]
+    assert kv["ranks"] == 2 and kv["bytes_per_rank"] == per_rank == tp1.ledger().measured_bytes  # the head is copied
+    assert kv["measured_bytes_by_rank"] == [per_rank, per_rank] and kv["measured_bytes"] == 2 * per_rank
 
 
-def test_bad_tensor_parallel_size_is_one_line(one_kv_head_llama):
-    from tests.cli_helpers import assert_one_line_error
+def test_a_size_that_cannot_split_the_heads_is_refused_before_any_rank_starts(one_kv_head_llama):
+    from kvledger.engine.config import EngineConfig
+    from kvledger.engine.llm_engine import LLMEngine
+    from kvledger.errors import KVLedgerError
 
-    result = kvledger("generate", "hi", "--model", str(one_kv_head_llama), "--tensor-parallel-size", "3")
-    assert_one_line_error(result, "tensor-parallel size 3")
+    with pytest.raises(KVLedgerError, match="tensor-parallel size 3 cannot split"):  # 4 query heads
+        LLMEngine(EngineConfig(model=str(one_kv_head_llama), tensor_parallel_size=3))
+
+
+def test_a_killed_rank_ends_the_engine_with_one_error(tp3):
+    """Last in the module: it ends the shared TP-3 engine."""
+    from kvledger import SamplingParams
+    from kvledger.distributed.executor import RankFailure
+
+    victim = tp3.executor.procs[1]
+    tp3.add_request("long", list(range(100, 140)), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    tp3.add_request("short", list(range(200, 210)), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    for _ in range(2):
+        tp3.step()
+    threading.Timer(0.1, os.kill, (victim.pid, signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        while tp3.has_unfinished_requests():
+            tp3.step()
+    elapsed = time.monotonic() - start
+    assert elapsed < 30, f"the engine took {elapsed:.1f} s to notice"
+    assert f"rank 2 of 3 (pid {victim.pid})" in str(info.value), str(info.value)
+    assert not tp3.has_unfinished_requests()  # the step's requests were aborted, their blocks freed
+    assert tp3.pool.num_free_blocks == tp3.pool.num_blocks
+    tp3.add_request("after", [5, 6], SamplingParams(max_tokens=2))
+    with pytest.raises(RankFailure, match="rank 2 of 3"):  # and it stays stopped, at once
+        tp3.step()

@@ -65,7 +65,10 @@ def run(args: argparse.Namespace) -> int:
               f"dashboard at {url}/dashboard); KV pool {ledger.num_blocks} blocks x {ledger.block_size} tokens, "
               f"max-model-len {engine.max_model_len}", flush=True)
 
-    server = asyncio.run(serve_async(app, sock, ready, log_level=args.log_level))
+    try:
+        server = asyncio.run(serve_async(app, sock, ready, log_level=args.log_level))
+    finally:
+        engine.shutdown()  # the tensor-parallel ranks, if any
     after = engine.ledger()
     print(f"kvledger serve: stopped; {server.ended_by_shutdown} requests in flight were ended by the shutdown; "
           f"KV blocks allocated {after.blocks_allocated} of {after.num_blocks}", flush=True)

@@ -201,6 +201,9 @@ class TPExecutor:
 
     def __init__(self, size: int, model_dir: str | Path, hf_config: dict[str, Any], dtype: torch.dtype,
                  device: torch.device) -> None:
+        if dist.is_initialized():
+            raise KVLedgerError("this process already runs a tensor-parallel engine; shut it down "
+                                "(LLMEngine.shutdown()) before starting another")
         self.size = size
         self.device = device
         backend = "nccl" if device.type == "cuda" else "gloo"

@@ -73,13 +73,8 @@ def dispatch_group() -> dist.ProcessGroup | None:
 
 def init_group(info: GroupInfo, rank: int, store: dist.Store, alive: Callable[[], None] | None = None) -> None:
     """Join the group as ``rank`` through ``store`` (the rendezvous); returns once every rank has
-    joined. One group per process: a second one while the first lives is an error."""
+    joined. One group per process."""
     global _dispatch_group
-    if dist.is_initialized():
-        from kvledger.errors import KVLedgerError
-
-        raise KVLedgerError("this process already runs a tensor-parallel engine; shut it down "
-                            "(LLMEngine.shutdown()) before starting another")
     # Everyone checks in first, with no deadline but ``alive`` (rank 0 polls its ranks' processes):
     # the group's own set-up then waits only ``collective_timeout_s``, and ranks start slowly.
     store.add("kvledger/ready", 1)

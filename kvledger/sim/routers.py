@@ -58,19 +58,23 @@ class PrefixAffinity:
     def __call__(self, request: SimRequest, replicas: list[Replica]) -> int:
         if len(replicas) == 1:
             return 0
-        loads = [r.load for r in replicas]
-        limit = min(loads) * AFFINITY_LOAD_FACTOR + AFFINITY_LOAD_SLACK
         hashes = self.hashes(request) if request.hash_ids or request.prompt_token_ids else []
-        best, best_key = 0, None
-        for r, replica in enumerate(replicas):
-            if loads[r] > limit:
-                continue
+        runs = []
+        for replica in replicas:
             hits = 0
             for h in hashes:
                 if replica.pool.lookup(h) is None:
                     break
                 hits += 1
-            key = (-hits, loads[r], r)
-            if best_key is None or key < best_key:
-                best, best_key = r, key
-        return best
+            runs.append(hits)
+        return affinity_pick(runs, [r.load for r in replicas])
+
+
+def affinity_pick(runs: list[int], loads: list[int]) -> int:
+    """prefix-affinity's choice (see the module), shared by the simulator's fleet and the Ray Serve
+    router (:mod:`kvledger.cluster.router`): the index of the replica with the longest cached run
+    ``runs[i]`` (leading blocks) among those not overloaded, then the lighter ``loads[i]``
+    (running + waiting requests), then the lower index."""
+    limit = min(loads) * AFFINITY_LOAD_FACTOR + AFFINITY_LOAD_SLACK
+    keys = [(-run, load, r) for r, (run, load) in enumerate(zip(runs, loads)) if load <= limit]
+    return min(keys)[2]
