@@ -1,4 +1,7 @@
-"""Scale-out on this machine: the step time of SmolLM2-135M at TP 1 against TP 3, in the same run.
+"""Scale-out on this machine: SmolLM2-135M at TP 1 against TP 3, and two replicas behind Ray Serve
+under the prefix-affinity router against Ray Serve's default, beside the simulator's prediction.
+
+Part 1, tensor parallelism (``--tp``), the step time of TP 1 against TP 3 in the same run.
 
 On CPU the ranks share the host's cores, so tensor parallelism buys no speed here: it splits
 the matmuls three ways but adds an all-reduce per row-parallel projection (2 per layer, 60 per
@@ -12,7 +15,15 @@ a batch-12 decode at 128-token contexts, and one 512-token prefill. Per phase: t
 the model time of the engine's steps (``StepRecord.model_s``). TP 1 is the reference (the
 peer of a TP run is the same engine unsplit); the ratio is TP 3 over TP 1.
 
-    .venv/bin/python bench/bench_scale.py [--tp 3] [--steps 24]
+Part 2, replicas (``--fleet``): the shared-prefix workload
+(:func:`kvledger.workload.shared_prefix.shared_prefix_workload`: 8 prefixes of 512 tokens, 64
+requests interleaved at random, 8-token suffixes, 2 output tokens, 4 clients at a time) on 2
+replicas of ``--blocks`` KV blocks each (default 192: four prefixes fit, eight do not), once per
+router; the prefix-cache hit rate (tokens) read from the fleet's ``/metrics``. Then
+``kvledger simulate`` on the same requests (a Mooncake trace: one block id per prefix) with
+``--replicas 2`` and each of its routers, the prediction beside the measurement.
+
+    .venv/bin/python bench/bench_scale.py [--tp 3] [--steps 24] [--fleet] [--skip-tp]
 """
 
 from __future__ import annotations
@@ -107,11 +118,88 @@ def _allreduce_rank(rank: int, world: int, port: int, numel: int, repeat: int, q
     dist.destroy_process_group()
 
 
+def fleet_hit_rates(blocks: int, routers: tuple[str, ...] = ("prefix-affinity", "default")) -> dict[str, float]:
+    """The shared-prefix workload on 2 replicas per router: the fleet's hit rate (tokens) each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import ray
+
+    from kvledger.cluster import launch
+    from kvledger.cluster.deployment import NAMESPACE, read_fleet_metrics
+    from kvledger.workload.shared_prefix import shared_prefix_workload
+
+    prompts = shared_prefix_workload().prompts
+    engine = dict(model="smollm2-135m", dtype="float32", num_gpu_blocks_override=blocks, max_num_batched_tokens=1024,
+                  max_model_len=1024, max_num_seqs=8)
+    ray.init(num_cpus=2, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    rates = {}
+    try:
+        for router in routers:
+            fleet = launch.deploy(engine, {}, 2, router, port=port)
+
+            def totals() -> tuple[float, float, int]:
+                m = read_fleet_metrics(httpx.get(fleet.url + "/metrics", timeout=60).text)
+                busy = sum(v for (n, r), v in m.items() if r != "fleet" and n == "kvledger:kv_blocks_allocated")
+                return (m.get(("kvledger:prefix_cache_hits_total", "fleet"), 0.0),
+                        m.get(("kvledger:prefix_cache_queries_total", "fleet"), 0.0), int(busy))
+
+            time.sleep(3)
+            hits0, queries0, _ = totals()
+            with ThreadPoolExecutor(4) as pool:
+                codes = list(pool.map(lambda p: httpx.post(fleet.url + "/v1/completions", timeout=600, json={
+                    "model": "smollm2-135m", "prompt": p, "max_tokens": 2, "temperature": 0}).status_code, prompts))
+            assert set(codes) == {200}, codes
+            time.sleep(3)  # the replicas publish their metrics each second
+            hits, queries, busy = totals()
+            rates[router] = (hits - hits0) / (queries - queries0)
+            print(f"fleet, router {router}: hit rate {rates[router]:.3f} ({hits - hits0:.0f} of {queries - queries0:.0f} "
+                  f"prompt tokens); blocks still allocated afterwards: {busy}", flush=True)
+    finally:
+        launch.shutdown()
+    return rates
+
+
+def simulated_hit_rates(blocks: int, routers: tuple[str, ...] = ("prefix-affinity", "round-robin", "least-loaded")
+                        ) -> dict[str, float]:
+    """``kvledger simulate --replicas 2`` on the same requests, per router."""
+    import json
+    import subprocess
+    import tempfile
+
+    from kvledger.workload.shared_prefix import shared_prefix_workload
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = shared_prefix_workload().write_mooncake(Path(tmp) / "shared-prefix.jsonl")
+        rates = {}
+        for router in routers:
+            out = subprocess.run([sys.executable, "-m", "kvledger.cli.main", "simulate", "smollm2-135m", "--gpu",
+                                  "a100-80gb", "--workload", str(trace), "--sample", "head", "--replicas", "2",
+                                  "--router", router, "--num-gpu-blocks-override", str(blocks), "--block-size", "16",
+                                  "--json"], capture_output=True, text=True, check=True)
+            rates[router] = json.loads(out.stdout)["prefix_cache_hit_rate"]
+    return rates
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=3)
     ap.add_argument("--steps", type=int, default=24, help="decode steps per decode phase (default 24)")
+    ap.add_argument("--fleet", action="store_true", help="also run part 2 (Ray Serve replicas; kvledger[cluster])")
+    ap.add_argument("--skip-tp", action="store_true", help="skip part 1")
+    ap.add_argument("--blocks", type=int, default=192, help="KV blocks per replica in part 2 (default 192)")
     args = ap.parse_args()
+    if args.fleet:
+        simulated = simulated_hit_rates(args.blocks)
+        measured = fleet_hit_rates(args.blocks)
+        print("simulated (kvledger simulate --replicas 2): "
+              + ", ".join(f"{r} {v:.3f}" for r, v in simulated.items()))
+        print(f"measured: prefix-affinity / default = {measured['prefix-affinity'] / max(measured['default'], 1e-9):.2f}x; "
+              f"simulated prefix-affinity / round-robin = "
+              f"{simulated['prefix-affinity'] / max(simulated['round-robin'], 1e-9):.2f}x")
+    if args.skip_tp:
+        return 0
     torch.set_num_threads(THREADS)
     from kvledger.engine.config import EngineConfig
     from kvledger.engine.llm_engine import LLMEngine
