@@ -18,7 +18,7 @@ peer of a TP run is the same engine unsplit); the ratio is TP 3 over TP 1.
 Part 2, replicas (``--fleet``): the shared-prefix workload
 (:func:`kvledger.workload.shared_prefix.shared_prefix_workload`: 8 prefixes of 512 tokens, 64
 requests interleaved at random, 8-token suffixes, 2 output tokens, 4 clients at a time) on 2
-replicas of ``--blocks`` KV blocks each (default 192: four prefixes fit, eight do not), once per
+replicas of ``--blocks`` KV blocks each (default 144: four prefixes fit, eight do not), once per
 router; the prefix-cache hit rate (tokens) read from the fleet's ``/metrics``. Then
 ``kvledger simulate`` on the same requests (a Mooncake trace: one block id per prefix) with
 ``--replicas 2`` and each of its routers, the prediction beside the measurement.
@@ -188,7 +188,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=24, help="decode steps per decode phase (default 24)")
     ap.add_argument("--fleet", action="store_true", help="also run part 2 (Ray Serve replicas; kvledger[cluster])")
     ap.add_argument("--skip-tp", action="store_true", help="skip part 1")
-    ap.add_argument("--blocks", type=int, default=192, help="KV blocks per replica in part 2 (default 192)")
+    ap.add_argument("--blocks", type=int, default=144, help="KV blocks per replica in part 2 (default 144)")
     args = ap.parse_args()
     if args.fleet:
         simulated = simulated_hit_rates(args.blocks)

@@ -123,3 +123,29 @@ def test_prefix_affinity_keeps_the_hit_rate_the_default_router_loses(fleet):
     assert affinity >= 1.5 * default and affinity > 0.5, (affinity, default)
     for r in {r for (_, r) in after if r != "fleet"}:
         assert after[("kvledger:kv_blocks_allocated", r)] == 0
+
+
+def test_a_replica_that_dies_mid_request_answers_503_with_retry_after(fleet):
+    """Last in the module: it kills a replica (Ray Serve restarts it)."""
+    import threading
+
+    import httpx
+
+    result: dict = {}
+
+    def long_request() -> None:
+        result["response"] = httpx.post(fleet.url + "/v1/completions", timeout=60, json={
+            "model": "smollm2-135m", "prompt": "Count: 1, 2, 3,", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True})
+
+    client = threading.Thread(target=long_request)
+    client.start()
+    busy = _wait_published(fleet.url, 2, lambda m, names: any(m[("kvledger:num_requests_running", r)] for r in names))
+    (victim,) = [r for (n, r), v in busy.items() if n == "kvledger:num_requests_running" and r != "fleet" and v]
+    start = time.monotonic()
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::kvledger#engine#{victim}", namespace="serve"), no_restart=False)
+    client.join(30)
+    assert not client.is_alive(), "the request hung after its replica died"
+    response = result["response"]
+    assert response.status_code == 503 and int(response.headers["Retry-After"]) > 0, response.text
+    assert "unavailable" in response.json()["error"]["message"] and time.monotonic() - start < 30

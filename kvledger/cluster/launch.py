@@ -53,9 +53,10 @@ def deploy(engine_kwargs: dict[str, Any], app_kwargs: dict[str, Any], num_replic
     if not ray.is_initialized():
         ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})
-    global _board  # held here: Ray ends an actor once nobody holds it
-    board = _board = ray.remote(num_cpus=0)(MetricsBoard).options(name=BOARD_NAME, namespace=NAMESPACE,
-                                                                  get_if_exists=True).remote()
+    global _board  # created once and held here: Ray ends an actor once its creator's handle is gone
+    if _board is None:
+        _board = ray.remote(num_cpus=0)(MetricsBoard).options(name=BOARD_NAME, namespace=NAMESPACE).remote()
+    board = _board
     routing = (RequestRouterConfig(request_router_class=PrefixAffinityRouter,
                                    request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
                if router == "prefix-affinity" else

@@ -7,7 +7,8 @@ the call; this router remembers, per replica, the hashes it sent there (the newe
 ``memory_blocks``, about a pool's worth) as its estimate of that replica's prefix cache. The choice
 itself is the simulator's (:func:`kvledger.sim.routers.affinity_pick`): longest run among the
 replicas whose load is within ``AFFINITY_LOAD_FACTOR`` x the least + ``AFFINITY_LOAD_SLACK``,
-then the lighter load; with no run anywhere, the prompt's home replica. Load is the replica's running + waiting requests as it last reported them
+then the lighter load; with no run anywhere, the replica it has sent the fewest remembered blocks
+(new prefixes spread evenly). Load is the replica's running + waiting requests as it last reported them
 (``record_routing_stats``) plus the requests sent to it since. A call without hashes (``/metrics``,
 ``/v1/models``) goes to the least-loaded replica.
 """
@@ -19,7 +20,7 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from kvledger.sim.routers import affinity_pick, home_replica
+from kvledger.sim.routers import affinity_pick
 
 DEFAULT_MEMORY_BLOCKS = 4096
 """Block hashes remembered per replica (about one pool's worth of blocks)."""
@@ -56,10 +57,11 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         if not candidate_replicas:
             return []
         hashes = (pending_request.kwargs.get("block_hashes") if pending_request is not None else None) or []
-        candidate_replicas = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)  # a stable home
+        candidate_replicas = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)  # stable ties
         loads = [self._load(r) for r in candidate_replicas]
         runs = [self._run(r.replica_id, hashes) for r in candidate_replicas]
-        best = affinity_pick(runs, loads, home_replica(hashes, len(candidate_replicas)))
+        held = [len(self._seen.get(r.replica_id, ())) for r in candidate_replicas]
+        best = affinity_pick(runs, loads, held)
         rest = sorted((i for i in range(len(candidate_replicas)) if i != best), key=lambda i: loads[i])
         return [[candidate_replicas[best]]] + [[candidate_replicas[i]] for i in rest]
 

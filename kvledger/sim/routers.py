@@ -6,8 +6,8 @@
   leading block hashes, unless that replica is overloaded: more than
   ``AFFINITY_LOAD_FACTOR`` x the least load + ``AFFINITY_LOAD_SLACK`` requests. Among the
   replicas that are not, the longest run wins, then the lighter load; with no hit anywhere it
-  goes to the prompt's home replica (its first block's hash modulo N) unless that one is
-  overloaded, else as least-loaded.
+  goes to the replica whose cache holds the fewest blocks (so new prefixes spread evenly), the
+  lighter load breaking ties.
 """
 
 from __future__ import annotations
@@ -68,24 +68,20 @@ class PrefixAffinity:
                     break
                 hits += 1
             runs.append(hits)
-        return affinity_pick(runs, [r.load for r in replicas], home_replica(hashes, len(replicas)))
+        held = [r.pool.num_blocks - r.pool.num_free_blocks + r.pool.num_cached_free_blocks for r in replicas]
+        return affinity_pick(runs, [r.load for r in replicas], held)
 
 
-def home_replica(hashes: list[bytes], num_replicas: int) -> int | None:
-    """The replica a prompt goes to when no replica holds any of it: its first block's hash
-    modulo the replicas (None without a full block). Prompts that share a first block share a
-    home, so a prefix's first request lands where its followers will look for it."""
-    return int.from_bytes(hashes[0][:8], "little") % num_replicas if hashes else None
-
-
-def affinity_pick(runs: list[int], loads: list[int], home: int | None = None) -> int:
+def affinity_pick(runs: list[int], loads: list[int], held: list[int] | None = None) -> int:
     """prefix-affinity's choice (see the module), shared by the simulator's fleet and the Ray Serve
     router (:mod:`kvledger.cluster.router`): the index of the replica with the longest cached run
     ``runs[i]`` (leading blocks) among those not overloaded, then the lighter ``loads[i]``
-    (running + waiting requests), then the lower index. With no run anywhere, ``home``
-    (:func:`home_replica`) if it is not overloaded."""
+    (running + waiting requests), then the lower index. With no run anywhere and ``held`` (blocks
+    of content each replica caches), the one holding least: new prefixes spread so that each
+    replica's share of them fits its pool."""
     limit = min(loads) * AFFINITY_LOAD_FACTOR + AFFINITY_LOAD_SLACK
-    if home is not None and not any(runs) and loads[home] <= limit:
-        return home
-    keys = [(-run, load, r) for r, (run, load) in enumerate(zip(runs, loads)) if load <= limit]
+    if held is not None and not any(runs):
+        keys = [(held[r], load, r) for r, load in enumerate(loads) if load <= limit]
+    else:
+        keys = [(-run, load, r) for r, (run, load) in enumerate(zip(runs, loads)) if load <= limit]
     return min(keys)[2]
