@@ -1,7 +1,8 @@
 """Tensor parallelism: TP N against TP 1 step by step, per-rank cache bytes, a rank that dies.
 
 SmolLM2-135M at TP 3 (9 query heads, 3 KV heads: one per rank) runs in lockstep beside a TP-1
-engine of the same configuration: every step's logits within 1e-4, the same greedy tokens. A
+engine of the same configuration: every step's logits within 1e-4, the same greedy tokens, the
+same preemptions (the pool is too small for the whole batch). A
 random-weight Llama with one KV head runs at TP 2 (the head replicated on both ranks) through the
 real CLI. Each rank's cache tensors weigh what ``kv-bytes --tensor-parallel-size N`` prints.
 """
@@ -25,7 +26,8 @@ PROMPTS = [
     "import numpy as np\n", "The quick brown fox", "In 1969, the first", "Paged attention splits",
 ]
 NEW_TOKENS = 32
-ENGINE_ARGS = dict(model="smollm2-135m", dtype="float32", num_gpu_blocks_override=96, max_num_batched_tokens=256)
+# 30 blocks of 16 tokens: the 12 requests need 36 by their end, so both engines preempt (recompute)
+ENGINE_ARGS = dict(model="smollm2-135m", dtype="float32", num_gpu_blocks_override=30, max_num_batched_tokens=256)
 
 
 def _lockstep(a, b, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
@@ -69,6 +71,7 @@ def test_smollm2_tp3_matches_tp1_step_by_step(tp3):
     worst, steps = _lockstep(tp1, tp3, prompts, NEW_TOKENS)
     assert steps >= NEW_TOKENS
     assert worst <= 1e-4, f"per-step logits differ by up to {worst:.2e}"
+    assert tp3.scheduler.num_preemptions == tp1.scheduler.num_preemptions > 0
     # every block back in the pool, on the one pool rank 0 keeps for all ranks
     assert tp3.pool.num_free_blocks == tp3.pool.num_blocks
     tp3.check_integrity()

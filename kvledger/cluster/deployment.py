@@ -10,7 +10,8 @@
   the replica call, where the request router (:mod:`kvledger.cluster.router` or Ray Serve's
   default) picks the replica. ``/metrics`` shows every replica's series with a ``replica``
   label and adds fleet totals (``replica="fleet"``, each series summed over replicas), read from a
-  small board actor (:class:`MetricsBoard`) every replica publishes to each second. A replica
+  small board actor (:class:`MetricsBoard`) every replica publishes to each second;
+  ``/fleet/ledger`` lists every replica's KV ledger (its pool) as JSON. A replica
   that fails or cannot be reached answers 503 with ``Retry-After``; Ray Serve restarts it.
 """
 
@@ -249,6 +250,11 @@ class Ingress:
 
         path = request.url.path
         body = await request.body()
+        if path == "/fleet/ledger":  # each live replica's pool, for a fleet view
+            board = await self._board()
+            now = time.time()
+            entries = await board.get.remote()
+            return JSONResponse([ledger for _, (at, _, ledger) in sorted(entries.items()) if now - at < STALE_AFTER_S])
         if path == "/metrics":
             try:
                 return PlainTextResponse(await self.fleet_metrics_text(),
