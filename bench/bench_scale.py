@@ -188,16 +188,18 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=24, help="decode steps per decode phase (default 24)")
     ap.add_argument("--fleet", action="store_true", help="also run part 2 (Ray Serve replicas; kvledger[cluster])")
     ap.add_argument("--skip-tp", action="store_true", help="skip part 1")
+    ap.add_argument("--routers", default="prefix-affinity,default", help="part 2's routers, comma-separated")
     ap.add_argument("--blocks", type=int, default=144, help="KV blocks per replica in part 2 (default 144)")
     args = ap.parse_args()
     if args.fleet:
         simulated = simulated_hit_rates(args.blocks)
-        measured = fleet_hit_rates(args.blocks)
         print("simulated (kvledger simulate --replicas 2): "
-              + ", ".join(f"{r} {v:.3f}" for r, v in simulated.items()))
-        print(f"measured: prefix-affinity / default = {measured['prefix-affinity'] / max(measured['default'], 1e-9):.2f}x; "
-              f"simulated prefix-affinity / round-robin = "
-              f"{simulated['prefix-affinity'] / max(simulated['round-robin'], 1e-9):.2f}x")
+              + ", ".join(f"{r} {v:.3f}" for r, v in simulated.items()), flush=True)
+        measured = fleet_hit_rates(args.blocks, tuple(args.routers.split(",")))
+        if len(measured) == 2:
+            print(f"measured: prefix-affinity / default = "
+                  f"{measured['prefix-affinity'] / max(measured['default'], 1e-9):.2f}x; simulated prefix-affinity / "
+                  f"round-robin = {simulated['prefix-affinity'] / max(simulated['round-robin'], 1e-9):.2f}x")
     if args.skip_tp:
         return 0
     torch.set_num_threads(THREADS)
