@@ -103,11 +103,11 @@ def _run_fleet(args: argparse.Namespace) -> int:
                       max_waiting=args.max_waiting_requests, max_body_bytes=int(args.max_request_body_bytes),
                       shutdown_timeout_s=args.shutdown_timeout)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
         fleet = launch.deploy(dataclasses.asdict(config), app_kwargs, args.data_parallel_size, args.router,
                               host=args.host, port=port)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # after Ray's start-up, which installs handlers of its own
+            signal.signal(sig, lambda *_: stop.set())
         print(f"kvledger serve: {args.data_parallel_size} replicas of {config.model or 'smollm2-135m'} on {fleet.url} "
               f"(router {args.router}; OpenAI API at {fleet.url}/v1, metrics with a replica label at "
               f"{fleet.url}/metrics)", flush=True)
