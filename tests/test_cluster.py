@@ -120,7 +120,7 @@ def test_prefix_affinity_keeps_the_hit_rate_the_default_router_loses(fleet):
     import httpx
 
     pools = httpx.get(fleet.url + "/fleet/ledger", timeout=30).json()  # the same pools, ledger by ledger
-    assert sorted(p["replica"] for p in pools) == sorted(r for (_, r) in after if r != "fleet")
+    assert sorted(p["replica"] for p in pools) == sorted({r for (_, r) in after if r != "fleet"})
     assert all(p["blocks_allocated"] == 0 and p["num_blocks"] == BLOCKS and p["prefix_cache_hits"] > 0 for p in pools)
     launch.deploy(ENGINE, {}, 2, "default", port=port)
     default, after = _hit_rate(fleet.url)
