@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
             if out.finished:
                 final = out
+    engine.shutdown()  # the tensor-parallel ranks, if any
     ledger = engine.ledger()
     assert final is not None
     completion = final.outputs[0]
@@ -94,6 +95,12 @@ def _ledger_table(ledger, model: str, prompt_tokens: int, completion) -> str:  #
         ("predicted pool bytes", f"{ledger.predicted_bytes:,} B = {format_bytes(ledger.predicted_bytes)}"),
         ("measured pool bytes", f"{ledger.measured_bytes:,} B "
                                 f"({'equal' if ledger.measured_bytes == ledger.predicted_bytes else 'DIFFERENT'})"),
+    ]
+    if ledger.ranks > 1:
+        rows.append(("tensor-parallel ranks", f"{ledger.ranks}; measured bytes per rank "
+                                              f"{', '.join(f'{b:,}' for b in ledger.measured_bytes_by_rank)} B "
+                                              f"(pool bytes above: all ranks)"))
+    rows += [
         ("prefix cache", f"{ledger.prefix_cache_hits} of {ledger.prefix_cache_queries} tokens hit"),
         ("preemptions", str(ledger.num_preemptions)),
         ("free blocks holding cached prefixes", str(ledger.blocks_cached_free)),

@@ -33,6 +33,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "with an error (default 0: at once)")
     p.add_argument("--max-request-body-bytes", type=size, default="4MiB",
                    help="largest request body accepted, e.g. 64KiB; beyond it 413 (default 4MiB)")
+    fleet = p.add_argument_group("replicas (Ray Serve; needs kvledger[cluster])")
+    fleet.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1, metavar="N",
+                       help="run N engine replicas (each with --tensor-parallel-size ranks) behind this one endpoint "
+                            "on Ray Serve (default 1: no Ray)")
+    fleet.add_argument("--router", default="prefix-affinity", choices=["prefix-affinity", "default"],
+                       help="which replica takes a request: prefix-affinity (the longest shared run of leading block "
+                            "hashes, within a load margin) or Ray Serve's default (default prefix-affinity)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="server log level (default warning)")
     p.set_defaults(func=run)
@@ -52,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if not 0 <= args.port <= 65535:
         raise KVLedgerError(f"--port must be in 0..65535, got {args.port}")
+    if args.data_parallel_size > 1:
+        return _run_fleet(args)
     sock = bind_socket(args.host, args.port)  # fail fast, before the model loads
     engine = LLMEngine(engine_config_from_args(args))
     app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
@@ -65,8 +74,45 @@ def run(args: argparse.Namespace) -> int:
               f"dashboard at {url}/dashboard); KV pool {ledger.num_blocks} blocks x {ledger.block_size} tokens, "
               f"max-model-len {engine.max_model_len}", flush=True)
 
-    server = asyncio.run(serve_async(app, sock, ready, log_level=args.log_level))
+    try:
+        server = asyncio.run(serve_async(app, sock, ready, log_level=args.log_level))
+    finally:
+        engine.shutdown()  # the tensor-parallel ranks, if any
     after = engine.ledger()
     print(f"kvledger serve: stopped; {server.ended_by_shutdown} requests in flight were ended by the shutdown; "
           f"KV blocks allocated {after.blocks_allocated} of {after.num_blocks}", flush=True)
+    return 0
+
+
+def _run_fleet(args: argparse.Namespace) -> int:
+    """``--data-parallel-size N``: the replicas on Ray Serve until SIGINT/SIGTERM."""
+    import dataclasses
+    import signal
+    import threading
+
+    from kvledger.cluster import launch
+    from kvledger.engine.config import engine_config_from_args
+    from kvledger.server.launcher import bind_socket
+
+    launch.ray_serve()  # the install hint before anything starts
+    config = engine_config_from_args(args)  # bad flags fail here, before Ray starts
+    sock = bind_socket(args.host, args.port)  # the port must be free (0: pick one) for Ray Serve's proxy
+    port = sock.getsockname()[1]
+    sock.close()
+    app_kwargs = dict(served_model_name=args.served_model_name, api_key=args.api_key,
+                      max_waiting=args.max_waiting_requests, max_body_bytes=int(args.max_request_body_bytes),
+                      shutdown_timeout_s=args.shutdown_timeout)
+    stop = threading.Event()
+    try:
+        fleet = launch.deploy(dataclasses.asdict(config), app_kwargs, args.data_parallel_size, args.router,
+                              host=args.host, port=port)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # after Ray's start-up, which installs handlers of its own
+            signal.signal(sig, lambda *_: stop.set())
+        print(f"kvledger serve: {args.data_parallel_size} replicas of {config.model or 'smollm2-135m'} on {fleet.url} "
+              f"(router {args.router}; OpenAI API at {fleet.url}/v1, metrics with a replica label at "
+              f"{fleet.url}/metrics)", flush=True)
+        stop.wait()
+    finally:
+        launch.shutdown()
+    print("kvledger serve: stopped", flush=True)
     return 0

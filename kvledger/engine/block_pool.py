@@ -39,6 +39,15 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: t
     return h.digest()
 
 
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """The chained :func:`hash_block` of every full block of ``token_ids``, first block first: the
+    keys a pool caches this prompt's blocks under (a router compares them without the pool)."""
+    hashes: list[BlockHash] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[start:start + block_size]))
+    return hashes
+
+
 @dataclass
 class Block:
     block_id: int

@@ -48,13 +48,16 @@ class EngineConfig:
     KV pool gets that share less what is already in use. None: the defaults above."""
     seed: int | None = 0
     tokenizer: str | None = None
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (processes, one torch.distributed group; see
+    :mod:`kvledger.distributed`). Each rank holds ``max(1, H_kv / N)`` KV heads and its own cache."""
     enforce_eager: bool = False
     """vLLM's switch that keeps the model step out of ``torch.compile``. kvledger's step runs eagerly
     whatever its value (there is no compiled path yet); it is accepted so that vLLM scripts and
     command lines run unchanged, and will keep its meaning if a compiled step is added."""
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise KVLedgerError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -114,6 +117,9 @@ def add_engine_args(parser: Any) -> None:
                         "what is in use (default: the --kv-cache-memory defaults)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never compile the model step (vLLM's flag; kvledger's step is eager today either way)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
+                   help="split the model over N ranks (processes; gloo on CPU, NCCL on CUDA), each with 1/N of the "
+                        "heads and its own KV cache (default 1)")
     g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None, metavar="N",
                    help="exact number of KV blocks (overrides --kv-cache-memory)")
 

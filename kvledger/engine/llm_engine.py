@@ -97,20 +97,27 @@ class LLMEngine:
                                 f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
         self.eos_token_ids = self._eos_ids(model_dir)
 
-        with torch.device("meta"):
-            model = LlamaForCausalLM(self.hf_config)
-        model = model.to_empty(device=self.device).to(self.dtype)
-        model.load_hf_state_dict(load_safetensors_state_dict(model_dir, self.dtype))
-        self.model = model.eval()
-
-        # Eq 2.2 for one token, from the model spec (pure Python), in the cache's dtype.
+        # Eq 2.2 for one token (on one rank), from the model spec (pure Python), in the cache's dtype.
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype_name)
         self.spec = ModelSpec.from_config_dict({**self.hf_config, "torch_dtype": dtype_name}, name=self.model_name)
-        self.kv_bytes = kv_bytes(self.spec, self.kv_cache_dtype)
+        self.tensor_parallel_size = tp = config.tensor_parallel_size
+        self.kv_bytes = kv_bytes(self.spec, self.kv_cache_dtype, tensor_parallel_size=tp)  # raises for a bad TP
+        self.executor = None
+        if tp > 1:  # ranks 1..tp-1 start loading their shards while rank 0 loads its own here
+            from kvledger.distributed.executor import TPExecutor
+
+            self.executor = TPExecutor(tp, model_dir, self.hf_config, self.dtype, self.device)
+            model = self.executor.model
+        else:
+            with torch.device("meta"):
+                model = LlamaForCausalLM(self.hf_config)
+            model = model.to_empty(device=self.device).to(self.dtype)
+            model.load_hf_state_dict(load_safetensors_state_dict(model_dir, self.dtype))
+        self.model = model.eval()
         self.bytes_per_token = self.kv_bytes.bytes_per_token
         bs = config.block_size
         num_blocks = config.num_gpu_blocks_override or self.kv_bytes.num_blocks(self._kv_cache_memory(), bs)
-        pool_bytes = self.kv_bytes.pool_bytes(num_blocks, bs)
+        pool_bytes = self.kv_bytes.pool_bytes(num_blocks, bs) * (tp if self.device.type == "cpu" else 1)  # CPU ranks share RAM
         free, _ = _device_memory(self.device)
         if pool_bytes > free:  # checked before allocating: a pool that cannot fit would exhaust the machine
             flag = "--num-gpu-blocks-override" if config.num_gpu_blocks_override else "--kv-cache-memory"
@@ -130,12 +137,23 @@ class LLMEngine:
                 f"the KV pool holds {num_blocks} blocks x {bs} tokens = {num_blocks * bs} tokens "
                 f"({self.bytes_per_token} bytes/token) but --max-model-len is {self.max_model_len}; "
                 "give more --kv-cache-memory or a smaller --max-model-len")
-        self.cache = make_kv_cache(self.kv_cache_dtype, self.spec.num_layers, num_blocks, bs, self.spec.num_kv_heads,
-                                   self.spec.head_dim, self.dtype, self.device)
-        self.model.set_rope(self.max_model_len)
+        if self.executor is None:
+            self.cache = make_kv_cache(self.kv_cache_dtype, self.spec.num_layers, num_blocks, bs,
+                                       self.spec.num_kv_heads, self.spec.head_dim, self.dtype, self.device)
+            self.model.set_rope(self.max_model_len)
+            self.runner: ModelRunner | Any = ModelRunner(self.model, self.cache, self.device)
+        else:  # every rank allocates its own heads' cache; the pool's blocks are the minimum over ranks
+            from kvledger.distributed.executor import CacheSpec
+
+            self.cache = self.executor.start_cache(CacheSpec(
+                self.kv_cache_dtype, self.spec.num_layers, num_blocks, bs, self.kv_bytes.kv_heads,
+                self.spec.head_dim, self.max_model_len))
+            if self.executor.cache_spec.num_blocks < num_blocks:
+                num_blocks = self.executor.cache_spec.num_blocks
+                self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+            self.runner = self.executor
         self.kv_manager = KVCacheManager(self.pool, bs)
         self.scheduler = Scheduler(config, self.kv_manager)
-        self.runner = ModelRunner(self.model, self.cache, self.device)
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
         self.blocks_allocated_peak = 0
@@ -160,7 +178,13 @@ class LLMEngine:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * GPU_MEMORY_UTILIZATION)
-        return int(min(available_ram_bytes() * CPU_KV_CACHE_SHARE, CPU_KV_CACHE_MAX))
+        # per rank: on CPU the ranks share the host's RAM
+        return int(min(available_ram_bytes() * CPU_KV_CACHE_SHARE, CPU_KV_CACHE_MAX)) // self.tensor_parallel_size
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do at TP 1); the engine runs no steps after."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def _eos_ids(self, model_dir: Path) -> frozenset[int]:
         ids: set[int] = set()
@@ -351,6 +375,9 @@ class LLMEngine:
         bs = self.block_size
         allocated = self.pool.num_blocks - self.pool.num_free_blocks
         tokens_used = self._tokens_used()
+        ranks = self.tensor_parallel_size
+        rank_bytes = self.executor.rank_measured_bytes if self.executor is not None else [self.cache.measured_bytes]
+        predicted = self.kv_bytes.pool_bytes(self.num_blocks, bs)  # per rank
         stats = self.kv_manager.stats
         return KVLedger(
             num_blocks=self.num_blocks, block_size=bs, blocks_allocated=allocated,
@@ -358,10 +385,11 @@ class LLMEngine:
             tokens_used=tokens_used, waste_tokens=allocated * bs - tokens_used,
             prefix_cache_queries=stats.queries, prefix_cache_hits=stats.hits,
             num_preemptions=self.scheduler.num_preemptions, num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting), bytes_per_token=self.bytes_per_token,
-            predicted_bytes=self.kv_bytes.pool_bytes(self.num_blocks, bs), measured_bytes=self.cache.measured_bytes,
-            kv_cache_dtype=self.kv_cache_dtype, scale_bytes_per_token=self.kv_bytes.scale_bytes_per_token,
-            scale_bytes=self.kv_bytes.pool_bytes(self.num_blocks, bs) - self.bytes_per_token * self.num_blocks * bs,
+            num_waiting=len(self.scheduler.waiting), bytes_per_token=self.bytes_per_token * ranks,
+            predicted_bytes=predicted * ranks, measured_bytes=sum(rank_bytes),
+            kv_cache_dtype=self.kv_cache_dtype, scale_bytes_per_token=self.kv_bytes.scale_bytes_per_token * ranks,
+            scale_bytes=(predicted - self.bytes_per_token * self.num_blocks * bs) * ranks,
+            ranks=ranks, bytes_per_rank=rank_bytes[0], measured_bytes_by_rank=list(rank_bytes),
         )
 
     def _tokens_used(self) -> int:

@@ -52,7 +52,9 @@ class KVLedger:
     tokens (vLLM's counting). Bytes: ``bytes_per_token`` from Eq 2.2 (elements only),
     ``predicted_bytes`` = ``bytes_per_token * num_blocks * block_size`` plus ``scale_bytes``
     (8-bit caches: ``scale_bytes_per_token`` per slot for int8, per-layer scales for fp8),
-    ``measured_bytes`` of the real cache tensors, scales included.
+    ``measured_bytes`` of the real cache tensors, scales included. Under tensor parallelism
+    (``ranks`` > 1) the byte fields are summed over the ranks, ``bytes_per_rank`` is one
+    rank's measured cache bytes (rank 0's; ``measured_bytes_by_rank`` lists every rank's).
     """
 
     num_blocks: int
@@ -73,6 +75,9 @@ class KVLedger:
     kv_cache_dtype: str = "float32"
     scale_bytes_per_token: int = 0
     scale_bytes: int = 0
+    ranks: int = 1
+    bytes_per_rank: int = 0
+    measured_bytes_by_rank: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -7,6 +7,11 @@ implemented (every token attends to its whole context).
 
 ``forward`` takes a flat batch of tokens and returns logits only for ``logits_indices``:
 the tokens at which a new token is sampled.
+
+Tensor parallelism (:mod:`kvledger.layers.parallel`): built inside a TP group, each rank holds
+``H / TP`` query heads and ``max(1, H_kv / TP)`` KV heads (q/k/v and gate/up column-parallel,
+o and down row-parallel, one all-reduce each), and :meth:`LlamaForCausalLM.load_hf_state_dict`
+slices the full checkpoint to the rank's share. The embedding, norms and LM head are replicated.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from kvledger.errors import KVLedgerError
 from kvledger.layers.activation import silu_and_mul
 from kvledger.layers.attention import AttentionMetadata, paged_attention
 from kvledger.layers.linear import Linear, linear, pack_weight
+from kvledger.layers.parallel import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvledger.layers.paged_kv import KVCache
 from kvledger.layers.rmsnorm import RMSNorm
 from kvledger.layers.rotary import RotaryEmbedding, apply_rotary
@@ -31,14 +37,15 @@ class Attention(nn.Module):
     def __init__(self, config: dict[str, Any], layer: int) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads = config["num_attention_heads"]
-        self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
-        self.head_dim = config.get("head_dim") or config["hidden_size"] // self.num_heads
+        total_heads = config["num_attention_heads"]
+        self.head_dim = config.get("head_dim") or config["hidden_size"] // total_heads
+        bias = bool(config.get("attention_bias", config["model_type"] == "qwen2"))
+        self.qkv_proj = QKVParallelLinear(config["hidden_size"], self.head_dim, total_heads,
+                                          config.get("num_key_value_heads") or total_heads, bias=bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(config.get("attention_bias", config["model_type"] == "qwen2"))
-        self.qkv_proj = Linear(config["hidden_size"], self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, config["hidden_size"], bias=False)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config["hidden_size"], bias=False)
         self.qk_norm = config["model_type"] == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
@@ -64,8 +71,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config["hidden_size"], 2 * config["intermediate_size"], bias=False)
-        self.down_proj = Linear(config["intermediate_size"], config["hidden_size"], bias=False)
+        inter = config["intermediate_size"]
+        self.gate_up_proj = ColumnParallelLinear(config["hidden_size"], [inter, inter], bias=False)
+        self.down_proj = RowParallelLinear(inter, config["hidden_size"], bias=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual`` plus the MLP's output, ``[N, hidden]``."""
@@ -134,8 +142,9 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(self.config, head_dim, max_len, weight.dtype, weight.device)
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face parameter names, fusing q/k/v and gate/up; strict about what is missing:
-        one KVLedgerError names every tensor the checkpoint lacks."""
+        """Load Hugging Face parameter names, fusing q/k/v and gate/up and keeping this rank's slice
+        of the parallel projections; strict about what is missing: one KVLedgerError names every
+        tensor the checkpoint lacks."""
         own = dict(self.named_parameters())
         loaded: set[str] = set()
         absent: list[str] = []
@@ -147,7 +156,11 @@ class LlamaForCausalLM(nn.Module):
             absent.extend(source for source, t in zip(sources, tensors) if t is None)
             if any(t is None for t in tensors):
                 return
-            tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
+            module = self.get_submodule(name.rpartition(".")[0])
+            if hasattr(module, "shard"):  # a parallel projection: this rank's slice of the pieces
+                tensor = module.shard(tensors)
+            else:
+                tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
             param = own[name]
             if param.shape != tensor.shape:
                 raise KVLedgerError(f"checkpoint tensor for {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")

@@ -6,7 +6,8 @@
   leading block hashes, unless that replica is overloaded: more than
   ``AFFINITY_LOAD_FACTOR`` x the least load + ``AFFINITY_LOAD_SLACK`` requests. Among the
   replicas that are not, the longest run wins, then the lighter load; with no hit anywhere it
-  routes as least-loaded.
+  goes to the replica whose cache holds the fewest blocks (so new prefixes spread evenly), the
+  lighter load breaking ties.
 """
 
 from __future__ import annotations
@@ -58,19 +59,29 @@ class PrefixAffinity:
     def __call__(self, request: SimRequest, replicas: list[Replica]) -> int:
         if len(replicas) == 1:
             return 0
-        loads = [r.load for r in replicas]
-        limit = min(loads) * AFFINITY_LOAD_FACTOR + AFFINITY_LOAD_SLACK
         hashes = self.hashes(request) if request.hash_ids or request.prompt_token_ids else []
-        best, best_key = 0, None
-        for r, replica in enumerate(replicas):
-            if loads[r] > limit:
-                continue
+        runs = []
+        for replica in replicas:
             hits = 0
             for h in hashes:
                 if replica.pool.lookup(h) is None:
                     break
                 hits += 1
-            key = (-hits, loads[r], r)
-            if best_key is None or key < best_key:
-                best, best_key = r, key
-        return best
+            runs.append(hits)
+        held = [r.pool.num_blocks - r.pool.num_free_blocks + r.pool.num_cached_free_blocks for r in replicas]
+        return affinity_pick(runs, [r.load for r in replicas], held)
+
+
+def affinity_pick(runs: list[int], loads: list[int], held: list[int] | None = None) -> int:
+    """prefix-affinity's choice (see the module), shared by the simulator's fleet and the Ray Serve
+    router (:mod:`kvledger.cluster.router`): the index of the replica with the longest cached run
+    ``runs[i]`` (leading blocks) among those not overloaded, then the lighter ``loads[i]``
+    (running + waiting requests), then the lower index. With no run anywhere and ``held`` (blocks
+    of content each replica caches), the one holding least: new prefixes spread so that each
+    replica's share of them fits its pool."""
+    limit = min(loads) * AFFINITY_LOAD_FACTOR + AFFINITY_LOAD_SLACK
+    if held is not None and not any(runs):
+        keys = [(held[r], load, r) for r, load in enumerate(loads) if load <= limit]
+    else:
+        keys = [(-run, load, r) for r, (run, load) in enumerate(zip(runs, loads)) if load <= limit]
+    return min(keys)[2]

@@ -1,0 +1,156 @@
+"""Two SmolLM2 replicas on a local Ray Serve (2 CPUs, one cluster for the module), behind one
+OpenAI endpoint: the official client streamed and not, completions and chat; then a workload of
+requests sharing a few long prefixes, under the prefix-affinity router and under Ray Serve's
+default, the hit rates read from the fleet's ``/metrics``.
+
+The pool is sized so that one replica holds half the prefixes but not all of them: routed by
+affinity each replica keeps its half cached; spread by the default router each replica sees
+every prefix, and the interleaved order evicts each before it comes back.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+PREFIXES, PREFIX_TOKENS, REQUESTS = 8, 256, 32
+BLOCKS = 80  # per replica: 8 prefixes x 16 blocks = 128 do not fit, 5 x 16 = 80 do
+ENGINE = dict(model="smollm2-135m", dtype="float32", num_gpu_blocks_override=BLOCKS, max_num_batched_tokens=512,
+              max_model_len=512, max_num_seqs=8)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    from kvledger.cluster import launch
+    from kvledger.cluster.deployment import NAMESPACE
+
+    ray.init(num_cpus=2, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    started = launch.deploy(ENGINE, {}, 2, "prefix-affinity", port=port)
+    yield started
+    launch.shutdown()
+
+
+def _metrics(url: str) -> dict[tuple[str, str], float]:
+    import httpx
+
+    from kvledger.cluster.deployment import read_fleet_metrics
+
+    response = httpx.get(url + "/metrics", timeout=30)
+    assert response.status_code == 200, response.text
+    return read_fleet_metrics(response.text)
+
+
+def _wait_published(url: str, replicas: int, done) -> dict[tuple[str, str], float]:  # type: ignore[no-untyped-def]
+    """The fleet's metrics once every replica has published a state for which ``done`` holds."""
+    deadline = time.monotonic() + 30
+    while True:
+        m = _metrics(url)
+        names = {r for (_, r) in m if r != "fleet"}
+        if len(names) == replicas and done(m, names):
+            return m
+        assert time.monotonic() < deadline, f"replicas never published a settled state: {sorted(names)}"
+        time.sleep(0.5)
+
+
+def test_openai_client_streamed_and_not(fleet):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=fleet.url + "/v1", api_key="none")
+    done = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=5,
+                                     temperature=0)
+    assert done.choices[0].text and done.usage.completion_tokens == 5
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="smollm2-135m", prompt="The capital of France is", max_tokens=5, temperature=0, stream=True))
+    assert streamed == done.choices[0].text
+    messages = [{"role": "user", "content": "Say hello."}]
+    chat = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=6, temperature=0)
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="smollm2-135m", messages=messages, max_tokens=6, temperature=0, stream=True) if c.choices]
+    assert chat.choices[0].message.content and "".join(pieces) == chat.choices[0].message.content
+    assert [m.id for m in client.models.list().data][0] == "smollm2-135m"
+
+
+def _hit_rate(url: str) -> tuple[float, dict[tuple[str, str], float]]:
+    """Run the shared-prefix workload; the fleet's prefix-cache hit rate (tokens) it added."""
+    import httpx
+
+    from kvledger.workload.shared_prefix import shared_prefix_workload
+
+    before = _wait_published(url, 2, lambda m, names: True)
+    prompts = shared_prefix_workload(PREFIXES, PREFIX_TOKENS, REQUESTS).prompts
+
+    def send(prompt: list[int]) -> int:
+        r = httpx.post(url + "/v1/completions", json={"model": "smollm2-135m", "prompt": prompt, "max_tokens": 2,
+                                                      "temperature": 0}, timeout=120)
+        return r.status_code
+
+    with ThreadPoolExecutor(4) as pool:
+        assert set(pool.map(send, prompts)) == {200}
+    after = _wait_published(url, 2, lambda m, names: all(
+        m[("kvledger:num_requests_running", r)] == 0 and m[("kvledger:kv_blocks_allocated", r)] == 0 for r in names)
+        and m[("kvledger:prefix_cache_queries_total", "fleet")] > before.get(("kvledger:prefix_cache_queries_total",
+                                                                              "fleet"), 0))
+    hits = after[("kvledger:prefix_cache_hits_total", "fleet")] - before.get(("kvledger:prefix_cache_hits_total", "fleet"), 0)
+    queries = (after[("kvledger:prefix_cache_queries_total", "fleet")]
+               - before.get(("kvledger:prefix_cache_queries_total", "fleet"), 0))
+    return hits / queries, after
+
+
+@pytest.mark.slow
+def test_prefix_affinity_keeps_the_hit_rate_the_default_router_loses(fleet):
+    from kvledger.cluster import launch
+
+    port = int(fleet.url.rsplit(":", 1)[1])
+    affinity, after = _hit_rate(fleet.url)
+    for r in {r for (_, r) in after if r != "fleet"}:  # every block back in each replica's pool
+        assert after[("kvledger:kv_blocks_allocated", r)] == 0
+        assert after[("kvledger:kv_blocks_total", r)] == BLOCKS
+    import httpx
+
+    pools = httpx.get(fleet.url + "/fleet/ledger", timeout=30).json()  # the same pools, ledger by ledger
+    assert sorted(p["replica"] for p in pools) == sorted({r for (_, r) in after if r != "fleet"})
+    assert all(p["blocks_allocated"] == 0 and p["num_blocks"] == BLOCKS and p["prefix_cache_hits"] > 0 for p in pools)
+    launch.deploy(ENGINE, {}, 2, "default", port=port)
+    default, after = _hit_rate(fleet.url)
+    print(f"prefix-cache hit rate: prefix-affinity {affinity:.3f}, default {default:.3f}")
+    assert affinity >= 1.5 * default and affinity > 0.5, (affinity, default)
+    for r in {r for (_, r) in after if r != "fleet"}:
+        assert after[("kvledger:kv_blocks_allocated", r)] == 0
+
+
+def test_a_replica_that_dies_mid_request_answers_503_with_retry_after(fleet):
+    """Last in the module: it kills a replica (Ray Serve restarts it)."""
+    import threading
+
+    import httpx
+
+    result: dict = {}
+
+    def long_request() -> None:
+        result["response"] = httpx.post(fleet.url + "/v1/completions", timeout=60, json={
+            "model": "smollm2-135m", "prompt": "Count: 1, 2, 3,", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True})
+
+    client = threading.Thread(target=long_request)
+    client.start()
+    busy = _wait_published(fleet.url, 2, lambda m, names: any(m[("kvledger:num_requests_running", r)] for r in names))
+    (victim,) = [r for (n, r), v in busy.items() if n == "kvledger:num_requests_running" and r != "fleet" and v]
+    start = time.monotonic()
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::kvledger#engine#{victim}", namespace="serve"), no_restart=False)
+    client.join(30)
+    assert not client.is_alive(), "the request hung after its replica died"
+    response = result["response"]
+    assert response.status_code == 503 and int(response.headers["Retry-After"]) > 0, response.text
+    assert "unavailable" in response.json()["error"]["message"] and time.monotonic() - start < 30
