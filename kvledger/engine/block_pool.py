@@ -58,6 +58,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
         self._num_cached_free = 0  # free blocks that still carry a hash, kept up to date by every change
+        self._changed: list[int] = []  # blocks that lost their prefix or entered/left the free queue (bounded)
+        self._changed_base = 0  # changes before _changed[0]
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -73,6 +75,27 @@ class BlockPool:
     def lookup(self, block_hash: BlockHash) -> int | None:
         """The block holding ``block_hash``, if cached."""
         return self._cached.get(block_hash) if self.enable_caching else None
+
+    @property
+    def num_changes(self) -> int:
+        """Changes so far to blocks' cached prefixes (dropped) or free state: a mark for :meth:`changed_since`."""
+        return self._changed_base + len(self._changed)
+
+    def changed_since(self, mark: int) -> list[int] | None:
+        """Blocks that lost their cached prefix or entered or left the free queue after ``mark`` (a
+        :attr:`num_changes` value); None if the log no longer reaches back that far. While none of a
+        lookup's hits is among them, its hits are still cached (a hash only leaves the cache by a
+        drop) and as many of them are free."""
+        start = mark - self._changed_base
+        return self._changed[start:] if start >= 0 else None
+
+    def _log_change(self, block_id: int) -> None:
+        log = self._changed
+        log.append(block_id)
+        if len(log) > 4 * self.num_blocks + 1024:  # keep the log bounded; older marks read None
+            half = len(log) // 2
+            del log[:half]
+            self._changed_base += half
 
     def cached_prefix(self, hashes: Iterable[BlockHash]) -> list[int]:
         """The blocks holding the longest run of leading ``hashes`` that is cached (a tight loop:
@@ -101,6 +124,7 @@ class BlockPool:
                 self._num_cached_free -= 1
                 del self._cached[block.block_hash]
                 block.block_hash = None
+            self._log_change(block_id)
             block.ref_cnt = 1
             out.append(block_id)
         return out
@@ -111,6 +135,7 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
                 del self._free[block_id]
+                self._log_change(block_id)
                 if block.block_hash is not None:
                     self._num_cached_free -= 1
             block.ref_cnt += 1
@@ -129,6 +154,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block_id] = None
+                self._log_change(block_id)
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
                 else:
@@ -156,6 +182,7 @@ class BlockPool:
                 continue
             del self._cached[block.block_hash]
             block.block_hash = None
+            self._log_change(block_id)
             if block.ref_cnt == 0:
                 self._num_cached_free -= 1
                 self._free.move_to_end(block_id, last=False)
@@ -167,6 +194,7 @@ class BlockPool:
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
                 block.block_hash = None
+                self._log_change(block_id)
         self._num_cached_free = 0
 
     # ---- checks -----------------------------------------------------------------------------
