@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import subprocess
 import tempfile
 import sys
@@ -31,7 +32,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import free_port, serving  # noqa: E402
+from bench_serve import free_port, serving, wait_ready  # noqa: E402
 from ceilings import TRACES  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -96,7 +97,7 @@ def serve_and_bench(serve_flags: list[str], bench_flags: dict, rate: float) -> t
     return metrics.__dict__, ledger
 
 
-def _table(real: dict, ledger: dict, sim: dict) -> str:
+def _table(real: dict, ledger: dict, sim: dict, server: str = "kvledger serve") -> str:
     rows = []
     for metric in ("ttft", "tpot", "itl", "e2el"):
         for stat in STATS:
@@ -107,8 +108,11 @@ def _table(real: dict, ledger: dict, sim: dict) -> str:
                        ("peak blocks allocated", ledger["blocks_allocated_peak"], sim["peak_blocks_allocated"]),
                        ("prefix-cache hit rate", hit_real, sim["prefix_cache_hit_rate"]),
                        ("request throughput (req/s)", real["request_throughput"], sim["request_throughput"])):
-        rows.append([name, f"{r:.4g}", f"{s:.4g}", _diff(s, r)])
-    return tabulate(rows, headers=["", "kvledger serve (measured)", "simulate --profile", "Diff %"],
+        if r is None:
+            rows.append([name, "not exported", f"{s:.4g}", "n/a"])
+        else:
+            rows.append([name, f"{r:.4g}", f"{s:.4g}", _diff(s, r)])
+    return tabulate(rows, headers=["", f"{server} (measured)", "simulate --profile", "Diff %"],
                     tablefmt="github", disable_numparse=True)
 
 
@@ -181,9 +185,145 @@ def accuracy(num_prompts: int, profile: Path, quick: bool, rates: list[float] | 
     return "\n\n".join(sections)
 
 
+# ------------------------------------------------------------------------------------------- vLLM
+DEFAULT_PEER = Path.home() / ".cache" / "kvledger-peers" / "vllm"
+VLLM_BLOCK_SIZE = 128
+VLLM_KV_GIB = 2
+
+
+def _bench(url: str, rows: list[tuple[int, int]] | None, **cfg) -> dict:
+    """One ``bench serve`` run against ``url``: ``rows`` (input, output lengths) as a small trace
+    written here, else the ``trace`` in ``cfg``; the metrics as a dict."""
+    from kvledger.bench.serve import BenchConfig, run_benchmark
+
+    if rows is not None:
+        path = Path(tempfile.mkdtemp(prefix="kvledger-grid-")) / "grid.csv"
+        path.write_text("input_len,output_len\n" + "".join(f"{i},{o}\n" for i, o in rows))
+        cfg = {"trace": str(path), "num_prompts": len(rows), "sample": "head", "request_rate": float("inf"), **cfg}
+    metrics, _ = asyncio.run(run_benchmark(BenchConfig(base_url=url, ignore_eos=True, **cfg)))
+    if metrics.failed:
+        raise RuntimeError(f"{metrics.failed} requests failed: {metrics.errors[:1]}")
+    return metrics.__dict__
+
+
+def vllm_profile(url: str, num_blocks: int, out: Path, quick: bool) -> tuple[Path, str]:
+    """A step profile of the served vLLM from its own measured timings, over HTTP as a user sees it:
+    a prompt of ``n`` tokens and one output token (its TTFT: one prefill step), and ``B`` requests at
+    once decoding at a context of ``T`` (their median ITL: one decode step of ``B``). Fitted as
+    ``calibrate`` fits (NNLS, relative error); the CPU overhead is inside every measured time."""
+    from kvledger.sim.step_model import ModelFingerprint, ModelGeometry, Profile, batch_terms, fit_coefficients
+    from kvledger.spec import load_model_spec
+
+    spec = load_model_spec("smollm2-135m")
+    geo = ModelGeometry.of(spec, "auto")
+    prefills = (128, 512, 1536) if quick else (64, 256, 512, 1024, 2000)
+    decodes = [(b, t) for b in ((1, 8) if quick else (1, 4, 16)) for t in ((128, 1024) if quick else (128, 512, 1536))]
+    rows, seconds, labels = [], [], []
+    for n in prefills:
+        m = _bench(url, [(n, 1)] * 3, max_concurrency=1)
+        rows.append(batch_terms(geo, [(0, n)], 1))
+        seconds.append(m["stats_ms"]["ttft"]["p50"] / 1e3)
+        labels.append(f"prefill {n}")
+    for b, t in decodes:
+        m = _bench(url, [(t, 33)] * b)
+        rows.append(batch_terms(geo, [(t + 16, 1)] * b, b))
+        seconds.append(m["stats_ms"]["itl"]["p50"] / 1e3)
+        labels.append(f"decode {b} x {t}")
+    terms = ("step", "prefill_tokens", "prefill_attention", "decode_tokens", "kv_read_bytes", "requests")
+    coef = {k: 0.0 for k in ("weight_bytes", "kv_write_bytes", "allreduce_bytes", "cpu_step", "cpu_samples")}
+    coef.update(fit_coefficients(rows, seconds, terms))
+    fit = []
+    for label, row, sec in zip(labels, rows, seconds):
+        pred = sum(coef.get(t, 0.0) * v for t, v in zip(
+            ("step", "weight_bytes", "prefill_tokens", "prefill_attention", "decode_tokens", "kv_read_bytes",
+             "kv_write_bytes", "allreduce_bytes", "requests", "cpu_step", "cpu_samples"), row))
+        fit.append({"shape": label, "kind": label.split()[0], "steps": 1, "measured_ms": sec * 1e3,
+                    "predicted_ms": pred * 1e3, "error_pct": (pred - sec) / sec * 100})
+    profile = Profile(device=f"vLLM CPU backend on this machine ({os.cpu_count()} cores)", model=spec.name,
+                      fingerprint=ModelFingerprint.of(spec), dtype="float32", kv_cache_dtype="auto",
+                      tensor_parallel_size=1, block_size=VLLM_BLOCK_SIZE, num_blocks=num_blocks, coefficients=coef,
+                      fit=fit, created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    profile.save(out)
+    table = tabulate([[f["shape"], f"{f['measured_ms']:.1f}", f"{f['predicted_ms']:.1f}", f"{f['error_pct']:+.1f}"]
+                      for f in fit], headers=["shape (vLLM, over HTTP)", "measured ms", "fit ms", "error %"],
+                     tablefmt="github", disable_numparse=True)
+    return out, table
+
+
+def _vllm_counters(url: str) -> dict:
+    """Preemptions and prefix-cache counters from vLLM's /metrics (None where it has none)."""
+    import httpx
+
+    values: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:") and " " in line:
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            try:
+                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                pass
+    return {"num_preemptions": values.get("vllm:num_preemptions_total"),
+            "prefix_cache_hits": values.get("vllm:prefix_cache_hits_total", 0.0),
+            "prefix_cache_queries": values.get("vllm:prefix_cache_queries_total", 0.0),
+            "blocks_allocated_peak": None}
+
+
+def against_vllm(peer: Path, num_prompts: int, rates: list[float], quick: bool) -> str:
+    """``vllm serve`` (the peer, float32, block size 128, a 2 GiB pool), a profile from its measured
+    timings, the accuracy workload replayed through it with ``bench serve`` and through ``simulate``."""
+    import re
+
+    trace = TRACES / "azure2023_conv.csv"
+    max_len, batched = "4096", "2048"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    tmp = Path(tempfile.mkdtemp(prefix="kvledger-sim-vllm-"))
+    log = tmp / "vllm.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_GIB)}
+    command = (f"source {shlex.quote(str(peer / 'env.sh'))} && exec vllm serve {shlex.quote(str(peer / 'smollm2-hf'))} "
+               f"--port {port} --dtype float32 --block-size {VLLM_BLOCK_SIZE} --max-model-len {max_len} "
+               f"--max-num-batched-tokens {batched} --max-num-seqs 256 --seed 0 --served-model-name smollm2-135m")
+    with open(log, "w") as f:
+        proc = subprocess.Popen(["bash", "-c", command], stdout=f, stderr=subprocess.STDOUT, env=env)
+    sections = []
+    try:
+        wait_ready(proc, url, timeout=900)
+        text = log.read_text()
+        found = re.search(r"KV cache size: ([\d,]+) tokens", text) or re.search(r"# (?:CPU|cpu) blocks: (\d+)", text)
+        if not found:
+            raise RuntimeError(f"no KV cache size in vLLM's log {log}")
+        number = int(found.group(1).replace(",", ""))
+        num_blocks = number // VLLM_BLOCK_SIZE if "tokens" in found.group(0) else number
+        profile, fit_table = vllm_profile(url, num_blocks, tmp / "vllm-profile.json", quick)
+        sections.append(f"vLLM's pool: {found.group(0)!r} in its log = {num_blocks} blocks of {VLLM_BLOCK_SIZE}. "
+                        f"Profile fitted from its measured timings:\n\n{fit_table}")
+        for rate in rates:
+            before = _vllm_counters(url)
+            real = _bench(url, None, trace=str(trace), num_prompts=num_prompts, length_scale=0.25, seed=0,
+                          max_model_len=int(max_len), request_rate=rate)
+            after = _vllm_counters(url)
+            counters = {k: (after[k] - before[k]) if after[k] is not None and before[k] is not None else None
+                        for k in after}
+            sim = kvledger_json("simulate", "smollm2-135m", "--profile", str(profile), "--workload", str(trace),
+                                "--num-prompts", str(num_prompts), "--length-scale", "0.25", "--seed", "0",
+                                "--request-rate", str(rate), "--block-size", str(VLLM_BLOCK_SIZE),
+                                "--num-gpu-blocks-override", str(num_blocks), "--max-model-len", max_len,
+                                "--max-num-batched-tokens", batched, "--max-num-seqs", "256")
+            sections.append(f"**vLLM at {rate} req/s** (load average {os.getloadavg()[0]:.1f})\n\n"
+                            + _table(real, counters, sim, server="vllm serve"))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return "\n\n".join(sections)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", nargs="?", default="all", choices=["scale", "accuracy", "all"])
+    p.add_argument("part", nargs="?", default="all", choices=["scale", "accuracy", "vllm", "all"])
+    p.add_argument("--peer", type=Path, default=DEFAULT_PEER, help="the vLLM peer's prefix (its env.sh)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--profile", default=str(Path(tempfile.gettempdir()) / "kvledger-profile-cpu.json"),
                    help="profile to use (calibrated here first if the file is missing)")
@@ -199,6 +339,10 @@ def main() -> int:
         parts.append("### Simulator against the real engine (SmolLM2-135M, CPU)\n\n"
                      + accuracy(args.num_prompts, Path(args.profile), args.quick,
                                 [float(r) for r in args.rates.split(",")] if args.rates else None))
+    if args.part in ("vllm", "all"):
+        rates = [float(r) for r in args.rates.split(",")] if args.rates else [0.05, 0.3]
+        parts.append("### Simulator against vLLM (SmolLM2-135M, CPU)\n\n"
+                     + against_vllm(args.peer, args.num_prompts, rates, args.quick))
     text = "\n\n".join(parts)
     print(text)
     if args.markdown:

@@ -136,6 +136,13 @@ def test_profile_round_trips_and_drives_simulate(profile_path):
     assert out["completed"] == 20
 
 
+def test_calibrate_refuses_what_is_not_a_step_log(tmp_path):
+    garbage = tmp_path / "steps.jsonl"
+    garbage.write_text('{"index": 0}\n')
+    assert_one_line_error(kvledger("calibrate", "--step-log", str(garbage)), "not a step log", "--step-log")
+    assert_one_line_error(kvledger("calibrate", "--step-log", str(tmp_path / "none.jsonl")), "no such step log")
+
+
 @needs_traces
 @pytest.mark.slow
 def test_profile_for_another_model_is_refused(profile_path):

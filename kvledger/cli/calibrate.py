@@ -127,10 +127,11 @@ def write_and_report(profile, report, args: argparse.Namespace) -> int:
         return 0
     rows = [[r["shape"], r["steps"], f"{r['measured_ms']:.2f}", f"{r['predicted_ms']:.2f}", f"{r['error_pct']:+.1f}"]
             for r in report]
-    print(f"{profile.model} ({profile.dtype}) on {profile.device}: {sum(r['steps'] for r in report)} steps "
+    steps = sum(r["steps"] for r in report if r["kind"] != "total")
+    print(f"{profile.model} ({profile.dtype}) on {profile.device}: {steps} steps "
           + (f"of a serving run ({args.step_log})" if args.step_log else "measured"))
     print(tabulate(rows, headers=["shape", "steps", "measured ms", "fit ms", "error %"], disable_numparse=True))
-    errors = [abs(r["error_pct"]) for r in report]
+    errors = [abs(r["error_pct"]) for r in report if r["kind"] != "total"]
     print(f"fit error: median {sorted(errors)[len(errors) // 2]:.1f}%, max {max(errors):.1f}%")
     print("coefficients: " + ", ".join(f"{k} {v:.3g}" for k, v in coefficients.items() if v))
     print(f"wrote {args.out}")

@@ -116,14 +116,15 @@ def measure(engine: Any, shapes: list[Shape], geometry: ModelGeometry, *, reps: 
     return out
 
 
-def _fit(rows: list[list[float]], model_s: list[float], cpu_s: list[float], gpu_terms) -> dict[str, float]:
+def _fit(rows: list[list[float]], model_s: list[float], cpu_s: list[float], gpu_terms,
+         relative: bool = True) -> dict[str, float]:
     if not rows:
         from kvledger.errors import KVLedgerError
 
         raise KVLedgerError("calibration measured no steps; give the engine a longer --max-model-len")
     coef = {t: 0.0 for t in TERMS}
-    coef.update(fit_coefficients(rows, model_s, gpu_terms))
-    coef.update(fit_coefficients(rows, [max(s, 1e-7) for s in cpu_s], CPU_TERMS))
+    coef.update(fit_coefficients(rows, model_s, gpu_terms, relative))
+    coef.update(fit_coefficients(rows, [max(s, 1e-7) for s in cpu_s], CPU_TERMS, relative))
     return coef
 
 
@@ -160,7 +161,10 @@ def fit_step_log(records: list[StepRecord], geometry: ModelGeometry, gpu_terms=G
     step's period: ``wall_s - model_s`` plus the pause before the next step (the server's loop
     hands out tokens and takes new requests there), counted only where the next step carries on
     a request of this one, so the engine was busy throughout; other steps give the CPU fit
-    ``wall_s - model_s`` alone."""
+    ``wall_s - model_s`` alone. The error minimised is absolute, not relative: a serving run's
+    steps are what they are (a grid has one of each shape), and with the constant terms the
+    fitted steps then add up to the measured time, which sets the latencies. The report's last
+    row compares those sums."""
     rows, model_s, cpu_s, period_s, kinds = [], [], [], [], []
     for i, r in enumerate(records):
         if not r.batch:
@@ -178,10 +182,15 @@ def fit_step_log(records: list[StepRecord], geometry: ModelGeometry, gpu_terms=G
         prefill = any(n > 1 for _, _, n in r.batch)
         size = 1 << (len(r.batch) - 1).bit_length()  # batch sizes by powers of two
         kinds.append(("prefill" if prefill else "decode", size))
-    coef = _fit(rows, model_s, cpu_s, gpu_terms)
+    coef = _fit(rows, model_s, cpu_s, gpu_terms, relative=False)
     report = []
     for kind, size in sorted(set(kinds)):
         idx = [j for j, k in enumerate(kinds) if k == (kind, size)]
         report.append(_error_row(coef, [rows[j] for j in idx], [period_s[j] for j in idx],
                                  shape=f"{kind}, batch <= {size}", kind=kind, batch=size))
+    c = np.asarray([coef[t] for t in TERMS])
+    total, predicted = float(np.sum(period_s)), float(np.sum(np.asarray(rows, float) @ c))
+    report.append({"shape": "all steps (sum)", "kind": "total", "batch": 0, "steps": len(rows),
+                   "measured_ms": total * 1e3, "predicted_ms": predicted * 1e3,
+                   "error_pct": (predicted - total) / total * 100})
     return coef, report
