@@ -1,18 +1,24 @@
-"""The simulator: its speed on full traces, and its accuracy against the real engine.
+"""The simulator: its speed on full traces, and its accuracy against the real engine and vLLM.
 
 ``scale``: ``kvledger simulate`` on the full Azure 2023 conversation trace (llama-3.1-8b on
-h100-80gb, the trace's own arrivals) and on the full Mooncake conversation trace; wall seconds
-and simulated seconds per wall second (targets: under 20 s and under 60 s).
+h100-80gb, the trace's own arrivals) and on the full Mooncake conversation trace; wall and CPU
+seconds, simulated seconds per wall second (targets: under 20 s and under 60 s).
 
-``accuracy``: calibrate the real engine here (``kvledger calibrate``), then replay the same
-workload (Azure conversation requests, lengths / 4, Poisson arrivals with a fixed seed) through
-the real ``kvledger serve`` with ``kvledger bench serve`` and through ``kvledger simulate
---profile`` with the same requests, arrivals, engine flags and pool, at a rate below saturation
-(half the simulator's service rate) and one above it (1.5 x); prints the Diff% table
-(simulated vs measured) of TTFT, TPOT, ITL and E2EL (mean, p50, p90, p99), preemptions, peak
-blocks allocated and the prefix-cache hit rate.
+``accuracy``: the same workload (Azure conversation requests, lengths / 4, Poisson arrivals
+with a fixed seed) at two rates (``--rates``, else half and 1.5 x the service rate that a grid
+profile from ``kvledger calibrate`` predicts). Each rate: a fresh ``kvledger serve --step-log``
+run under ``kvledger bench serve``, a profile fitted from that run's own steps (``kvledger
+calibrate --step-log``), and ``kvledger simulate --profile`` with the same requests, arrivals,
+engine flags and pool; prints the Diff% table (simulated vs measured) of TTFT, TPOT, ITL and
+E2EL (mean, p50, p90, p99), preemptions, peak blocks allocated and the prefix-cache hit rate,
+the targets missed, and the table with the other rate's profile (out of sample).
 
-    .venv/bin/python bench/bench_simulator.py [scale|accuracy|all] [--num-prompts 64] [--markdown BENCHMARKS.md]
+``vllm``: the vLLM peer's ``vllm serve`` (block size 128, its pool from
+``VLLM_CPU_KVCACHE_SPACE``), a profile fitted from its own measured timings (prefill TTFTs and
+decode ITLs over HTTP), the same workload through it and through ``simulate``.
+
+    .venv/bin/python bench/bench_simulator.py [scale|accuracy|vllm|all] [--num-prompts 64] [--rates R1,R2]
+        [--markdown BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import free_port, serving, wait_ready  # noqa: E402
+from bench_serve import free_port, serving  # noqa: E402
 from ceilings import TRACES  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -279,15 +285,12 @@ def against_vllm(peer: Path, num_prompts: int, rates: list[float], quick: bool) 
     url = f"http://127.0.0.1:{port}"
     tmp = Path(tempfile.mkdtemp(prefix="kvledger-sim-vllm-"))
     log = tmp / "vllm.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_GIB)}
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_GIB)}
     command = (f"source {shlex.quote(str(peer / 'env.sh'))} && exec vllm serve {shlex.quote(str(peer / 'smollm2-hf'))} "
                f"--port {port} --dtype float32 --block-size {VLLM_BLOCK_SIZE} --max-model-len {max_len} "
                f"--max-num-batched-tokens {batched} --max-num-seqs 256 --seed 0 --served-model-name smollm2-135m")
-    with open(log, "w") as f:
-        proc = subprocess.Popen(["bash", "-c", command], stdout=f, stderr=subprocess.STDOUT, env=env)
     sections = []
-    try:
-        wait_ready(proc, url, timeout=900)
+    with serving(["bash", "-c", command], url, log=log, env=env, ready_s=900, stop_s=60):
         text = log.read_text()
         found = re.search(r"KV cache size: ([\d,]+) tokens", text) or re.search(r"# (?:CPU|cpu) blocks: (\d+)", text)
         if not found:
@@ -311,12 +314,6 @@ def against_vllm(peer: Path, num_prompts: int, rates: list[float], quick: bool) 
                                 "--max-num-batched-tokens", batched, "--max-num-seqs", "256")
             sections.append(f"**vLLM at {rate} req/s** (load average {os.getloadavg()[0]:.1f})\n\n"
                             + _table(real, counters, sim, server="vllm serve"))
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     return "\n\n".join(sections)
 
 
