@@ -276,7 +276,11 @@ def _vllm_counters(url: str) -> dict:
 
 def against_vllm(peer: Path, num_prompts: int, rates: list[float], quick: bool) -> str:
     """``vllm serve`` (the peer, float32, block size 128, a 2 GiB pool), a profile from its measured
-    timings, the accuracy workload replayed through it with ``bench serve`` and through ``simulate``."""
+    timings, the accuracy workload replayed through it with ``bench serve`` and through ``simulate``.
+
+    One server serves the grid and both rates, so prefix caching is off on both sides (the
+    second rate would find the first one's prompts cached, and bench serve's seeded prompts share
+    their first tokens with the grid's); ``--enforce-eager`` spares minutes of compilation."""
     import re
 
     trace = TRACES / "azure2023_conv.csv"
@@ -288,7 +292,8 @@ def against_vllm(peer: Path, num_prompts: int, rates: list[float], quick: bool) 
     env = {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_GIB)}
     command = (f"source {shlex.quote(str(peer / 'env.sh'))} && exec vllm serve {shlex.quote(str(peer / 'smollm2-hf'))} "
                f"--port {port} --dtype float32 --block-size {VLLM_BLOCK_SIZE} --max-model-len {max_len} "
-               f"--max-num-batched-tokens {batched} --max-num-seqs 256 --seed 0 --served-model-name smollm2-135m")
+               f"--max-num-batched-tokens {batched} --max-num-seqs 256 --seed 0 --served-model-name smollm2-135m "
+               "--no-enable-prefix-caching --enforce-eager")
     sections = []
     with serving(["bash", "-c", command], url, log=log, env=env, ready_s=900, stop_s=60):
         text = log.read_text()
@@ -311,7 +316,8 @@ def against_vllm(peer: Path, num_prompts: int, rates: list[float], quick: bool) 
                                 "--num-prompts", str(num_prompts), "--length-scale", "0.25", "--seed", "0",
                                 "--request-rate", str(rate), "--block-size", str(VLLM_BLOCK_SIZE),
                                 "--num-gpu-blocks-override", str(num_blocks), "--max-model-len", max_len,
-                                "--max-num-batched-tokens", batched, "--max-num-seqs", "256")
+                                "--max-num-batched-tokens", batched, "--max-num-seqs", "256",
+                                "--no-enable-prefix-caching")
             sections.append(f"**vLLM at {rate} req/s** (load average {os.getloadavg()[0]:.1f})\n\n"
                             + _table(real, counters, sim, server="vllm serve"))
     return "\n\n".join(sections)

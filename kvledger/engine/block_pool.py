@@ -89,10 +89,10 @@ class BlockPool:
         start = mark - self._changed_base
         return self._changed[start:] if start >= 0 else None
 
-    def _log_change(self, block_id: int) -> None:
+    def _trim_log(self) -> None:
+        """Keep the change log bounded (called after the changes of one call); older marks read None."""
         log = self._changed
-        log.append(block_id)
-        if len(log) > 4 * self.num_blocks + 1024:  # keep the log bounded; older marks read None
+        if len(log) > 4 * self.num_blocks + 1024:
             half = len(log) // 2
             del log[:half]
             self._changed_base += half
@@ -117,6 +117,7 @@ class BlockPool:
         if n > len(self._free):
             raise KVLedgerError(f"asked for {n} KV blocks but only {len(self._free)} are free")
         out = []
+        log = self._changed
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
@@ -124,21 +125,24 @@ class BlockPool:
                 self._num_cached_free -= 1
                 del self._cached[block.block_hash]
                 block.block_hash = None
-            self._log_change(block_id)
+            log.append(block_id)
             block.ref_cnt = 1
             out.append(block_id)
+        self._trim_log()
         return out
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on each (cache hits); a free block leaves the free queue."""
+        log = self._changed
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
                 del self._free[block_id]
-                self._log_change(block_id)
+                log.append(block_id)
                 if block.block_hash is not None:
                     self._num_cached_free -= 1
             block.ref_cnt += 1
+        self._trim_log()
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference on each, in the given order; blocks reaching zero join the free queue.
@@ -147,6 +151,7 @@ class BlockPool:
         back in the given order, so callers pass a request's blocks tail first and the
         shared beginnings of prompts are evicted last.
         """
+        log = self._changed
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_cnt <= 0:
@@ -154,11 +159,12 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block_id] = None
-                self._log_change(block_id)
+                log.append(block_id)
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
                 else:
                     self._num_cached_free += 1
+        self._trim_log()
 
     def cache(self, block_id: int, block_hash: BlockHash) -> bool:
         """Register a full, owned block under ``block_hash``; False if that prefix is already cached."""
@@ -182,10 +188,11 @@ class BlockPool:
                 continue
             del self._cached[block.block_hash]
             block.block_hash = None
-            self._log_change(block_id)
+            self._changed.append(block_id)
             if block.ref_cnt == 0:
                 self._num_cached_free -= 1
                 self._free.move_to_end(block_id, last=False)
+        self._trim_log()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix held by a free block."""
@@ -194,8 +201,9 @@ class BlockPool:
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
                 block.block_hash = None
-                self._log_change(block_id)
+                self._changed.append(block_id)
         self._num_cached_free = 0
+        self._trim_log()
 
     # ---- checks -----------------------------------------------------------------------------
     def check_integrity(self, owners: Mapping[str, Sequence[int]]) -> None:

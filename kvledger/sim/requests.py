@@ -83,11 +83,12 @@ class SimRequest(Request):
         them; the simulator's own keys (tuples of ints) are chained with Python's integer hash,
         which is deterministic and about 50x cheaper than SHA-256 (millions of blocks per trace):
         a 64-bit chain, so a collision among ``n`` blocks has odds of about ``n^2 / 2^65``."""
+        parent = 0 if parent is None else parent
         content = self.block_content(index, block_size)
         if type(content) is tuple:
-            return hash((0 if parent is None else parent, *content))
-        if type(parent) is int:  # token ids after simulator keys (a shared prefix)
-            parent = parent.to_bytes(8, "little", signed=True)
+            return hash((parent, *content))
+        if type(parent) is int:  # token ids: the first block, or after simulator keys (a shared prefix)
+            parent = parent.to_bytes(8, "little", signed=True) if parent else None
         return hash_block(parent, content)
 
     def leading_keys(self, block_size: int, limit: int) -> list[Sequence[int]]:
