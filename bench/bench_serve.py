@@ -60,19 +60,25 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 300) -> None:
 
 
 @contextlib.contextmanager
-def serving(cmd: list[str], url: str) -> Iterator[subprocess.Popen]:
-    """A server process started from ``cmd``, ready at ``url``, stopped on exit."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+def serving(cmd: list[str], url: str, *, log: Path | None = None, env: dict[str, str] | None = None,
+            ready_s: float = 300, stop_s: float = 30) -> Iterator[subprocess.Popen]:
+    """A server process started from ``cmd``, ready at ``url`` within ``ready_s``, stopped on exit;
+    its output goes to ``log`` if given (else nowhere)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    out = open(log, "w") if log is not None else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if log is not None else subprocess.DEVNULL,
+                            env=env)
     try:
-        wait_ready(proc, url)
+        wait_ready(proc, url, ready_s)
         yield proc
     finally:
         proc.terminate()
         try:
-            proc.wait(30)
+            proc.wait(stop_s)
         except subprocess.TimeoutExpired:
             proc.kill()
+        if log is not None:
+            out.close()
 
 
 def run_against(cmd: list[str], url: str, cfg) -> tuple:

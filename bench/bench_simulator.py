@@ -1,18 +1,24 @@
-"""The simulator: its speed on full traces, and its accuracy against the real engine.
+"""The simulator: its speed on full traces, and its accuracy against the real engine and vLLM.
 
 ``scale``: ``kvledger simulate`` on the full Azure 2023 conversation trace (llama-3.1-8b on
-h100-80gb, the trace's own arrivals) and on the full Mooncake conversation trace; wall seconds
-and simulated seconds per wall second (targets: under 20 s and under 60 s).
+h100-80gb, the trace's own arrivals) and on the full Mooncake conversation trace; wall and CPU
+seconds, simulated seconds per wall second (targets: under 20 s and under 60 s).
 
-``accuracy``: calibrate the real engine here (``kvledger calibrate``), then replay the same
-workload (Azure conversation requests, lengths / 4, Poisson arrivals with a fixed seed) through
-the real ``kvledger serve`` with ``kvledger bench serve`` and through ``kvledger simulate
---profile`` with the same requests, arrivals, engine flags and pool, at a rate below saturation
-(half the simulator's service rate) and one above it (1.5 x); prints the Diff% table
-(simulated vs measured) of TTFT, TPOT, ITL and E2EL (mean, p50, p90, p99), preemptions, peak
-blocks allocated and the prefix-cache hit rate.
+``accuracy``: the same workload (Azure conversation requests, lengths / 4, Poisson arrivals
+with a fixed seed) at two rates (``--rates``, else half and 1.5 x the service rate that a grid
+profile from ``kvledger calibrate`` predicts). Each rate: a fresh ``kvledger serve --step-log``
+run under ``kvledger bench serve``, a profile fitted from that run's own steps (``kvledger
+calibrate --step-log``), and ``kvledger simulate --profile`` with the same requests, arrivals,
+engine flags and pool; prints the Diff% table (simulated vs measured) of TTFT, TPOT, ITL and
+E2EL (mean, p50, p90, p99), preemptions, peak blocks allocated and the prefix-cache hit rate,
+the targets missed, and the table with the other rate's profile (out of sample).
 
-    .venv/bin/python bench/bench_simulator.py [scale|accuracy|all] [--num-prompts 64] [--markdown BENCHMARKS.md]
+``vllm``: the vLLM peer's ``vllm serve`` (block size 128, its pool from
+``VLLM_CPU_KVCACHE_SPACE``), a profile fitted from its own measured timings (prefill TTFTs and
+decode ITLs over HTTP), the same workload through it and through ``simulate``.
+
+    .venv/bin/python bench/bench_simulator.py [scale|accuracy|vllm|all] [--num-prompts 64] [--rates R1,R2]
+        [--markdown BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import shlex
 import subprocess
 import tempfile
 import sys
@@ -44,20 +52,30 @@ def kvledger_json(*args: str) -> dict:
     return json.loads(proc.stdout)
 
 
+def _children_cpu_s() -> float:
+    """User plus system CPU seconds of the finished child processes (what a command cost, whatever
+    the shared cores' load made its wall time)."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def scale() -> str:
     rows = []
     for name, trace, target in (("Azure 2023 conversation", "azure2023_conv.csv", 20),
                                 ("Mooncake conversation", "mooncake_conversation.jsonl", 60)):
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _children_cpu_s()
         out = kvledger_json("simulate", "llama-3.1-8b", "--gpu", "h100-80gb", "--workload", str(TRACES / trace),
                             "--no-progress")
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, _children_cpu_s() - cpu0
         rows.append([name, out["num_prompts"], f"{out['num_steps']:,}", f"{out['duration_s']:,.0f}", f"{wall:.1f}",
-                     f"{out['wall_s']:.1f}", f"{out['duration_s'] / wall:,.0f}", f"< {target}",
-                     "yes" if wall < target else "NO", "yes" if out["saturated"] else "no"])
+                     f"{cpu:.1f}", f"{out['wall_s']:.1f}", f"{out['duration_s'] / wall:,.0f}", f"< {target}",
+                     "yes" if wall < target else "NO", f"{os.getloadavg()[0]:.1f}", "yes" if out["saturated"] else "no"])
         print(rows[-1], file=sys.stderr)
     head = ["trace (llama-3.1-8b, h100-80gb, 1 replica)", "requests", "steps", "simulated s", "wall s (command)",
-            "wall s (run)", "simulated s / wall s", "target s", "met", "saturated"]
+            "CPU s (command)", "wall s (run)", "simulated s / wall s", "target s", "met (wall)", "load average",
+            "saturated"]
     return tabulate(rows, headers=head, tablefmt="github", disable_numparse=True)
 
 
@@ -68,7 +86,8 @@ def _diff(sim: float, real: float) -> str:
 
 
 def serve_and_bench(serve_flags: list[str], bench_flags: dict, rate: float) -> tuple[dict, dict]:
-    """A fresh ``kvledger serve`` (so its counters are this run's), one ``bench serve`` run, its ledger."""
+    """A fresh ``kvledger serve`` (so its counters are this run's), one ``bench serve`` run, its ledger;
+    ``serve_flags`` may carry ``--step-log FILE`` (the run's own step records)."""
     import httpx
 
     from kvledger.bench.serve import BenchConfig, run_benchmark
@@ -84,52 +103,236 @@ def serve_and_bench(serve_flags: list[str], bench_flags: dict, rate: float) -> t
     return metrics.__dict__, ledger
 
 
-def accuracy(num_prompts: int, profile: Path, quick: bool) -> str:
+def _table(real: dict, ledger: dict, sim: dict, server: str = "kvledger serve") -> str:
+    rows = []
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in STATS:
+            r, s = real["stats_ms"][metric][stat], sim[f"{metric}_ms"][stat]
+            rows.append([f"{metric.upper()} {stat} (ms)", f"{r:.1f}", f"{s:.1f}", _diff(s, r)])
+    hit_real = ledger["prefix_cache_hits"] / ledger["prefix_cache_queries"] if ledger["prefix_cache_queries"] else 0
+    for name, r, s in (("preemptions", ledger["num_preemptions"], sim["num_preemptions"]),
+                       ("peak blocks allocated", ledger["blocks_allocated_peak"], sim["peak_blocks_allocated"]),
+                       ("prefix-cache hit rate", hit_real, sim["prefix_cache_hit_rate"]),
+                       ("request throughput (req/s)", real["request_throughput"], sim["request_throughput"])):
+        if r is None:
+            rows.append([name, "not exported", f"{s:.4g}", "n/a"])
+        else:
+            rows.append([name, f"{r:.4g}", f"{s:.4g}", _diff(s, r)])
+    return tabulate(rows, headers=["", f"{server} (measured)", "simulate --profile", "Diff %"],
+                    tablefmt="github", disable_numparse=True)
+
+
+def _within_targets(real: dict, ledger: dict, sim: dict) -> list[str]:
+    """The Done-when targets this comparison misses (empty: all met)."""
+    missed = []
+    limits = [("tpot", "mean", 5), ("tpot", "p50", 5), ("e2el", "mean", 5), ("e2el", "p50", 5), ("ttft", "p50", 10),
+              ("ttft", "p90", 10)] + [(m, "p99", 15) for m in ("ttft", "tpot", "itl", "e2el")]
+    for metric, stat, pct in limits:
+        r, s = real["stats_ms"][metric][stat], sim[f"{metric}_ms"][stat]
+        if r and abs(s - r) / r * 100 > pct:
+            missed.append(f"{metric.upper()} {stat} ({(s - r) / r * 100:+.0f}% vs {pct}%)")
+    for name, r, s in (("preemptions", ledger["num_preemptions"], sim["num_preemptions"]),
+                       ("peak blocks", ledger["blocks_allocated_peak"], sim["peak_blocks_allocated"])):
+        if (r and abs(s - r) / r > 0.05) or (not r and s):
+            missed.append(f"{name} ({s} vs {r})")
+    return missed
+
+
+def accuracy(num_prompts: int, profile: Path, quick: bool, rates: list[float] | None = None) -> str:
+    """Each rate: a served run that writes its own step log, a profile fitted from that log
+    (``calibrate --step-log``), the same workload through ``simulate`` with it; the Diff% table.
+    The profile of the other rate's run is tried as well (the fit out of sample)."""
     trace = TRACES / "azure2023_conv.csv"
     pool, max_len, batched = "256", "4096", "2048"
     engine_flags = ["--num-gpu-blocks-override", pool, "--max-model-len", max_len, "--max-num-batched-tokens", batched,
                     "--block-size", "16", "--max-num-seqs", "256"]
-    if not profile.exists():
-        proc = subprocess.run([str(BIN / "kvledger"), "calibrate", "--out", str(profile), "--max-num-batched-tokens",
-                               batched, *(["--quick"] if quick else [])], capture_output=True, text=True)
+    sim_common = ["simulate", "smollm2-135m", "--workload", str(trace), "--num-prompts",
+                  str(num_prompts), "--length-scale", "0.25", "--seed", "0", *engine_flags]
+    sections = []
+    if rates is None:
+        if not profile.exists():
+            proc = subprocess.run([str(BIN / "kvledger"), "calibrate", "--out", str(profile),
+                                   "--max-num-batched-tokens", batched, *(["--quick"] if quick else [])],
+                                  capture_output=True, text=True)
+            if proc.returncode:
+                raise RuntimeError(proc.stderr.strip())
+            print(proc.stdout, file=sys.stderr)
+        service = kvledger_json(*sim_common, "--profile", str(profile), "--request-rate", "50")["saturation_rate"]
+        rates = [round(service * 0.5, 4), round(service * 1.5, 4)]
+        sections.append(f"Rates from the grid profile {profile.name}: simulated service rate {service:.3f} req/s; "
+                        "half and 1.5 x that.")
+    bench_flags = dict(trace=str(trace), num_prompts=num_prompts, length_scale=0.25, seed=0, max_model_len=int(max_len))
+    tmp = Path(tempfile.mkdtemp(prefix="kvledger-sim-accuracy-"))
+    runs = []
+    for label, rate in zip(("lower rate", "higher rate"), rates):
+        log, prof = tmp / f"steps-{rate}.jsonl", tmp / f"profile-{rate}.json"
+        t0 = time.perf_counter()
+        real, ledger = serve_and_bench([*engine_flags, "--step-log", str(log)], bench_flags, rate)
+        load = os.getloadavg()[0]
+        proc = subprocess.run([str(BIN / "kvledger"), "calibrate", "--step-log", str(log), "--out", str(prof)],
+                              capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(proc.stderr.strip())
-        print(proc.stdout, file=sys.stderr)
-    sim_common = ["simulate", "smollm2-135m", "--profile", str(profile), "--workload", str(trace), "--num-prompts",
-                  str(num_prompts), "--length-scale", "0.25", "--seed", "0", *engine_flags]
-    service = kvledger_json(*sim_common, "--request-rate", "50")["saturation_rate"]
-    sections = [f"Profile: {profile.name}; simulated service rate {service:.3f} req/s."]
-    bench_flags = dict(trace=str(trace), num_prompts=num_prompts, length_scale=0.25, seed=0, max_model_len=int(max_len))
-    for label, factor in (("below saturation", 0.5), ("above saturation", 1.5)):
-        rate = round(service * factor, 4)
-        t0 = time.perf_counter()
-        real, ledger = serve_and_bench(engine_flags, bench_flags, rate)
-        sim = kvledger_json(*sim_common, "--request-rate", str(rate))
-        print(f"{label}: real run {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-        rows = []
-        for metric in ("ttft", "tpot", "itl", "e2el"):
-            for stat in STATS:
-                r, s = real["stats_ms"][metric][stat], sim[f"{metric}_ms"][stat]
-                rows.append([f"{metric.upper()} {stat} (ms)", f"{r:.1f}", f"{s:.1f}", _diff(s, r)])
-        hit_real = ledger["prefix_cache_hits"] / ledger["prefix_cache_queries"] if ledger["prefix_cache_queries"] else 0
-        for name, r, s in (("preemptions", ledger["num_preemptions"], sim["num_preemptions"]),
-                           ("peak blocks allocated", ledger["blocks_allocated_peak"], sim["peak_blocks_allocated"]),
-                           ("prefix-cache hit rate", hit_real, sim["prefix_cache_hit_rate"]),
-                           ("request throughput (req/s)", real["request_throughput"], sim["request_throughput"])):
-            rows.append([name, f"{r:.4g}", f"{s:.4g}", _diff(s, r)])
-        sections.append(f"**{label}**: {rate} req/s, simulator says saturated = {sim['saturated']}\n\n"
-                        + tabulate(rows, headers=["", "kvledger serve (measured)", "simulate --profile", "Diff %"],
-                                   tablefmt="github", disable_numparse=True))
+        print(f"{label}: real run {time.perf_counter() - t0:.0f} s, load average {load:.1f}\n{proc.stdout}",
+              file=sys.stderr)
+        runs.append((label, rate, real, ledger, prof, load, proc.stdout))
+    for i, (label, rate, real, ledger, prof, load, fit_text) in enumerate(runs):
+        sim = kvledger_json(*sim_common, "--profile", str(prof), "--request-rate", str(rate))
+        missed = _within_targets(real, ledger, sim)
+        fit_line = next((ln for ln in fit_text.splitlines() if ln.startswith("fit error")), "")
+        sections.append(f"**{label}**: {rate} req/s (load average {load:.1f} at the end of the served run); profile "
+                        f"fitted from this run's {fit_text.split(' steps', 1)[0].rsplit(' ', 1)[-1]} steps "
+                        f"({fit_line}); simulator says saturated = {sim['saturated']}\n\n{_table(real, ledger, sim)}"
+                        f"\n\nTargets missed: {', '.join(missed) if missed else 'none'}.")
+        other = runs[1 - i] if len(runs) == 2 else None
+        if other is not None:
+            cross = kvledger_json(*sim_common, "--profile", str(other[4]), "--request-rate", str(rate))
+            sections.append(f"Same run, the profile of the {other[0]} run (out of sample):\n\n{_table(real, ledger, cross)}")
+    return "\n\n".join(sections)
+
+
+# ------------------------------------------------------------------------------------------- vLLM
+DEFAULT_PEER = Path.home() / ".cache" / "kvledger-peers" / "vllm"
+VLLM_BLOCK_SIZE = 128
+VLLM_KV_GIB = 2
+
+
+def _bench(url: str, rows: list[tuple[int, int]] | None, **cfg) -> dict:
+    """One ``bench serve`` run against ``url``: ``rows`` (input, output lengths) as a small trace
+    written here, else the ``trace`` in ``cfg``; the metrics as a dict."""
+    from kvledger.bench.serve import BenchConfig, run_benchmark
+
+    if rows is not None:
+        path = Path(tempfile.mkdtemp(prefix="kvledger-grid-")) / "grid.csv"
+        path.write_text("input_len,output_len\n" + "".join(f"{i},{o}\n" for i, o in rows))
+        cfg = {"trace": str(path), "num_prompts": len(rows), "sample": "head", "request_rate": float("inf"), **cfg}
+    metrics, _ = asyncio.run(run_benchmark(BenchConfig(base_url=url, ignore_eos=True, **cfg)))
+    if metrics.failed:
+        raise RuntimeError(f"{metrics.failed} requests failed: {metrics.errors[:1]}")
+    return metrics.__dict__
+
+
+def vllm_profile(url: str, num_blocks: int, out: Path, quick: bool) -> tuple[Path, str]:
+    """A step profile of the served vLLM from its own measured timings, over HTTP as a user sees it:
+    a prompt of ``n`` tokens and one output token (its TTFT: one prefill step), and ``B`` requests at
+    once decoding at a context of ``T`` (their median ITL: one decode step of ``B``). Fitted as
+    ``calibrate`` fits (NNLS, relative error); the CPU overhead is inside every measured time."""
+    from kvledger.sim.step_model import ModelFingerprint, ModelGeometry, Profile, batch_terms, fit_coefficients
+    from kvledger.spec import load_model_spec
+
+    spec = load_model_spec("smollm2-135m")
+    geo = ModelGeometry.of(spec, "auto")
+    prefills = (128, 512, 1536) if quick else (64, 256, 512, 1024, 2000)
+    decodes = [(b, t) for b in ((1, 8) if quick else (1, 4, 16)) for t in ((128, 1024) if quick else (128, 512, 1536))]
+    rows, seconds, labels = [], [], []
+    for n in prefills:
+        m = _bench(url, [(n, 1)] * 3, max_concurrency=1)
+        rows.append(batch_terms(geo, [(0, n)], 1))
+        seconds.append(m["stats_ms"]["ttft"]["p50"] / 1e3)
+        labels.append(f"prefill {n}")
+    for b, t in decodes:
+        m = _bench(url, [(t, 33)] * b)
+        rows.append(batch_terms(geo, [(t + 16, 1)] * b, b))
+        seconds.append(m["stats_ms"]["itl"]["p50"] / 1e3)
+        labels.append(f"decode {b} x {t}")
+    terms = ("step", "prefill_tokens", "prefill_attention", "decode_tokens", "kv_read_bytes", "requests")
+    coef = {k: 0.0 for k in ("weight_bytes", "kv_write_bytes", "allreduce_bytes", "cpu_step", "cpu_samples")}
+    coef.update(fit_coefficients(rows, seconds, terms))
+    fit = []
+    for label, row, sec in zip(labels, rows, seconds):
+        pred = sum(coef.get(t, 0.0) * v for t, v in zip(
+            ("step", "weight_bytes", "prefill_tokens", "prefill_attention", "decode_tokens", "kv_read_bytes",
+             "kv_write_bytes", "allreduce_bytes", "requests", "cpu_step", "cpu_samples"), row))
+        fit.append({"shape": label, "kind": label.split()[0], "steps": 1, "measured_ms": sec * 1e3,
+                    "predicted_ms": pred * 1e3, "error_pct": (pred - sec) / sec * 100})
+    profile = Profile(device=f"vLLM CPU backend on this machine ({os.cpu_count()} cores)", model=spec.name,
+                      fingerprint=ModelFingerprint.of(spec), dtype="float32", kv_cache_dtype="auto",
+                      tensor_parallel_size=1, block_size=VLLM_BLOCK_SIZE, num_blocks=num_blocks, coefficients=coef,
+                      fit=fit, created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    profile.save(out)
+    table = tabulate([[f["shape"], f"{f['measured_ms']:.1f}", f"{f['predicted_ms']:.1f}", f"{f['error_pct']:+.1f}"]
+                      for f in fit], headers=["shape (vLLM, over HTTP)", "measured ms", "fit ms", "error %"],
+                     tablefmt="github", disable_numparse=True)
+    return out, table
+
+
+def _vllm_counters(url: str) -> dict:
+    """Preemptions and prefix-cache counters from vLLM's /metrics (None where it has none)."""
+    import httpx
+
+    values: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:") and " " in line:
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            try:
+                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                pass
+    return {"num_preemptions": values.get("vllm:num_preemptions_total"),
+            "prefix_cache_hits": values.get("vllm:prefix_cache_hits_total", 0.0),
+            "prefix_cache_queries": values.get("vllm:prefix_cache_queries_total", 0.0),
+            "blocks_allocated_peak": None}
+
+
+def against_vllm(peer: Path, num_prompts: int, rates: list[float], quick: bool) -> str:
+    """``vllm serve`` (the peer, float32, block size 128, a 2 GiB pool), a profile from its measured
+    timings, the accuracy workload replayed through it with ``bench serve`` and through ``simulate``.
+
+    One server serves the grid and both rates, so prefix caching is off on both sides (the
+    second rate would find the first one's prompts cached, and bench serve's seeded prompts share
+    their first tokens with the grid's); ``--enforce-eager`` spares minutes of compilation."""
+    import re
+
+    trace = TRACES / "azure2023_conv.csv"
+    max_len, batched = "4096", "2048"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    tmp = Path(tempfile.mkdtemp(prefix="kvledger-sim-vllm-"))
+    log = tmp / "vllm.log"
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_GIB)}
+    command = (f"source {shlex.quote(str(peer / 'env.sh'))} && exec vllm serve {shlex.quote(str(peer / 'smollm2-hf'))} "
+               f"--port {port} --dtype float32 --block-size {VLLM_BLOCK_SIZE} --max-model-len {max_len} "
+               f"--max-num-batched-tokens {batched} --max-num-seqs 256 --seed 0 --served-model-name smollm2-135m "
+               "--no-enable-prefix-caching --enforce-eager")
+    sections = []
+    with serving(["bash", "-c", command], url, log=log, env=env, ready_s=900, stop_s=60):
+        text = log.read_text()
+        found = re.search(r"KV cache size: ([\d,]+) tokens", text) or re.search(r"# (?:CPU|cpu) blocks: (\d+)", text)
+        if not found:
+            raise RuntimeError(f"no KV cache size in vLLM's log {log}")
+        number = int(found.group(1).replace(",", ""))
+        num_blocks = number // VLLM_BLOCK_SIZE if "tokens" in found.group(0) else number
+        profile, fit_table = vllm_profile(url, num_blocks, tmp / "vllm-profile.json", quick)
+        sections.append(f"vLLM's pool: {found.group(0)!r} in its log = {num_blocks} blocks of {VLLM_BLOCK_SIZE}. "
+                        f"Profile fitted from its measured timings:\n\n{fit_table}")
+        for rate in rates:
+            before = _vllm_counters(url)
+            real = _bench(url, None, trace=str(trace), num_prompts=num_prompts, length_scale=0.25, seed=0,
+                          max_model_len=int(max_len), request_rate=rate)
+            after = _vllm_counters(url)
+            counters = {k: (after[k] - before[k]) if after[k] is not None and before[k] is not None else None
+                        for k in after}
+            sim = kvledger_json("simulate", "smollm2-135m", "--profile", str(profile), "--workload", str(trace),
+                                "--num-prompts", str(num_prompts), "--length-scale", "0.25", "--seed", "0",
+                                "--request-rate", str(rate), "--block-size", str(VLLM_BLOCK_SIZE),
+                                "--num-gpu-blocks-override", str(num_blocks), "--max-model-len", max_len,
+                                "--max-num-batched-tokens", batched, "--max-num-seqs", "256",
+                                "--no-enable-prefix-caching")
+            sections.append(f"**vLLM at {rate} req/s** (load average {os.getloadavg()[0]:.1f})\n\n"
+                            + _table(real, counters, sim, server="vllm serve"))
     return "\n\n".join(sections)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", nargs="?", default="all", choices=["scale", "accuracy", "all"])
+    p.add_argument("part", nargs="?", default="all", choices=["scale", "accuracy", "vllm", "all"])
+    p.add_argument("--peer", type=Path, default=DEFAULT_PEER, help="the vLLM peer's prefix (its env.sh)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--profile", default=str(Path(tempfile.gettempdir()) / "kvledger-profile-cpu.json"),
                    help="profile to use (calibrated here first if the file is missing)")
     p.add_argument("--quick", action="store_true", help="calibrate with --quick")
+    p.add_argument("--rates", default=None, help="two request rates (req/s, comma-separated) instead of ones "
+                   "from the grid profile")
     p.add_argument("--markdown", default=None, help="append the tables to this file")
     args = p.parse_args()
     parts = []
@@ -137,7 +340,12 @@ def main() -> int:
         parts.append("### Simulator speed on full traces\n\n" + scale())
     if args.part in ("accuracy", "all"):
         parts.append("### Simulator against the real engine (SmolLM2-135M, CPU)\n\n"
-                     + accuracy(args.num_prompts, Path(args.profile), args.quick))
+                     + accuracy(args.num_prompts, Path(args.profile), args.quick,
+                                [float(r) for r in args.rates.split(",")] if args.rates else None))
+    if args.part in ("vllm", "all"):
+        rates = [float(r) for r in args.rates.split(",")] if args.rates else [0.05, 0.3]
+        parts.append("### Simulator against vLLM (SmolLM2-135M, CPU)\n\n"
+                     + against_vllm(args.peer, args.num_prompts, rates, args.quick))
     text = "\n\n".join(parts)
     print(text)
     if args.markdown:

@@ -28,10 +28,13 @@ def sim_json(*args: str) -> dict:
 
 
 # ---- the same scheduler, proven ----------------------------------------------------------------
-def test_replay_of_a_recorded_engine_run_is_identical():
+@pytest.mark.slow
+def test_replay_of_a_recorded_engine_run_is_identical(tmp_path):
     """The real SmolLM2 engine on a small pool (preemptions) with a shared prefix (prefix hits) and
     late arrivals; its recorded step times as the simulator's clock: the same steps, the same
-    batches, and per request the same first-token step, finish step, preemptions and hits."""
+    batches, and per request the same first-token step, finish step, preemptions and hits. The
+    records survive a step log (what 'serve --step-log' writes), and 'calibrate --step-log' fits a
+    profile from them that simulate takes for this model and refuses for another."""
     from kvledger.engine.llm_engine import LLMEngine
     from kvledger.engine.sampling_params import SamplingParams
 
@@ -84,6 +87,25 @@ def test_replay_of_a_recorded_engine_run_is_identical():
                                                                  engine.kv_manager.stats.queries)
     assert replica.blocks_allocated_peak == engine.blocks_allocated_peak
 
+    from kvledger.engine.step_log import StepLog, read_step_log
+
+    log = StepLog(tmp_path / "steps.jsonl", {"model": engine.spec.name, "hf_config": engine.hf_config,
+                                             "device": "cpu", "dtype": "float32", "kv_cache_dtype": "auto",
+                                             "block_size": 16, "num_blocks": 14})
+    for r in records:
+        log.append(r)
+    log.close()
+    header, back = read_step_log(tmp_path / "steps.jsonl")
+    assert back == records and header["num_blocks"] == 14
+    r = kvledger("calibrate", "--step-log", str(tmp_path / "steps.jsonl"), "--out", str(tmp_path / "p.json"))
+    assert r.returncode == 0, r.stderr
+    assert "steps of a serving run" in r.stdout and "fit error: median" in r.stdout
+    out = sim_json("smollm2-135m", "--profile", str(tmp_path / "p.json"), "--workload", str(AZURE_CONV),
+                   "--num-prompts", "5", "--length-scale", "0.05", "--max-model-len", "224")
+    assert out["num_blocks"] == 14 and out["completed"] == 5
+    assert_one_line_error(kvledger("simulate", "llama-3.1-8b", "--profile", str(tmp_path / "p.json"), "--workload",
+                                   str(AZURE_CONV)), "measured on", "not llama-3.1-8b")
+
 
 # ---- calibrate and profiles --------------------------------------------------------------------
 @pytest.fixture(scope="module")
@@ -97,6 +119,7 @@ def profile_path(tmp_path_factory):
 
 
 @needs_traces
+@pytest.mark.slow
 def test_profile_round_trips_and_drives_simulate(profile_path):
     from kvledger.sim.step_model import CPU_TERMS, Profile
 
@@ -113,7 +136,15 @@ def test_profile_round_trips_and_drives_simulate(profile_path):
     assert out["completed"] == 20
 
 
+def test_calibrate_refuses_what_is_not_a_step_log(tmp_path):
+    garbage = tmp_path / "steps.jsonl"
+    garbage.write_text('{"index": 0}\n')
+    assert_one_line_error(kvledger("calibrate", "--step-log", str(garbage)), "not a step log", "--step-log")
+    assert_one_line_error(kvledger("calibrate", "--step-log", str(tmp_path / "none.jsonl")), "no such step log")
+
+
 @needs_traces
+@pytest.mark.slow
 def test_profile_for_another_model_is_refused(profile_path):
     r = kvledger("simulate", "llama-3.1-8b", "--profile", str(profile_path), "--workload", str(AZURE_CONV),
                  "--num-prompts", "5")
@@ -174,6 +205,28 @@ def test_same_requests_and_arrivals_as_bench_serve():
     assert sorted(r.arrival_time for r in reqs) == sorted(times) and len(set(times)) == 50
     assert setup(build_parser().parse_args(["simulate", "llama-3.1-8b", "--gpu", "h100-80gb", "--workload",
                                             "x"]))[1].router == out["router"]
+
+
+@needs_traces
+def test_rate_inf_means_all_at_once_as_in_bench_serve():
+    """One --request-rate parser for both commands: 'inf' sends every request at 0 s, so the
+    simulated run starts with all of them waiting; its service rate under that load is named."""
+    from kvledger.cli.main import build_parser
+
+    parser = build_parser()
+    for rate in ("inf", "2.5", "trace"):
+        sim = parser.parse_args(["simulate", "llama-3.1-8b", "--gpu", "h100-80gb", "--workload", "x",
+                                 "--request-rate", rate]).request_rate
+        bench = parser.parse_args(["bench", "serve", "--trace", "x", "--request-rate", rate]).request_rate
+        assert sim == bench, rate
+    out = sim_json("llama-3.1-8b", "--gpu", "h100-80gb", "--workload", str(AZURE_CONV), "--num-prompts", "30",
+                   "--request-rate", "inf", "--max-num-seqs", "8")
+    assert out["request_rate"] == "inf" and out["completed"] == 30 and out["saturated"] is False
+    assert out["saturation_rate"] == pytest.approx(out["request_throughput"])
+    series = out["series"][0]
+    assert series["time_s"][0] == 0 and series["waiting"][0] == 30  # the burst, before the first step
+    assert max(series["running"]) == 8 and series["waiting"][1] > 0  # queued behind --max-num-seqs
+    assert all(a >= b for a, b in zip(series["waiting"], series["waiting"][1:]))  # no arrivals after 0 s
 
 
 @needs_traces
@@ -274,7 +327,7 @@ def _bad_traces(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["router", "gpu", "slo-form", "slo-duration", "slo-metric", "empty", "malformed",
-                                  "rate-0", "rate-nan", "rate-inf", "profile-garbage"])
+                                  "rate-0", "rate-nan", "rate--inf", "profile-garbage"])
 @needs_traces
 def test_bad_input_is_one_line_exit_2(tmp_path, case):
     empty, broken = _bad_traces(tmp_path)
@@ -291,7 +344,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, case):
         "malformed": (["llama-3.1-8b", "--gpu", "h100-80gb", "--workload", str(broken)], ("broken.jsonl:2",)),
         "rate-0": (base + ["--request-rate", "0"], ("--request-rate", "positive finite")),
         "rate-nan": (base + ["--request-rate", "nan"], ("--request-rate", "positive finite")),
-        "rate-inf": (base + ["--request-rate", "inf"], ("--request-rate", "positive finite")),
+        "rate--inf": (base + ["--request-rate=-inf"], ("--request-rate", "positive finite")),
         "profile-garbage": (["llama-3.1-8b", "--profile", str(garbage), "--workload", str(AZURE_CONV)],
                             ("not a step profile",)),
     }[case]

@@ -6,16 +6,7 @@ import argparse
 import shlex
 from datetime import datetime, timezone
 
-from kvledger.cli.common import positive_float, positive_int
-
-
-def _rate(text: str) -> float | str:
-    if text in ("inf", "trace"):
-        return float("inf") if text == "inf" else "trace"
-    try:
-        return positive_float(text)
-    except argparse.ArgumentTypeError as err:
-        raise argparse.ArgumentTypeError(f"{err} (or 'inf' or 'trace')") from None
+from kvledger.cli.common import positive_float, positive_int, request_rate
 
 
 MAX_LENGTH_SCALE = 1000.0
@@ -51,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="multiply prompt and output lengths by this, e.g. 0.25 (default 1)")
     s.add_argument("--max-model-len", type=positive_int, default=None,
                    help="cut prompts so prompt + output fits this many tokens")
-    s.add_argument("--request-rate", type=_rate, default=float("inf"),
+    s.add_argument("--request-rate", type=request_rate, default=float("inf"),
                    help="requests/s (Poisson), 'inf' for all at once, or 'trace' for the trace's timestamps "
                         "(default inf)")
     s.add_argument("--burstiness", type=positive_float, default=1.0,

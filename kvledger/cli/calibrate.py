@@ -27,6 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the engine's token budget per step (default 2048, the engine's)")
     p.add_argument("--kv-cache-memory", default="1GiB", metavar="BYTES",
                    help="KV pool of the measuring engine (default 1GiB)")
+    p.add_argument("--step-log", default=None, metavar="FILE",
+                   help="fit from a serving run's own steps ('kvledger serve --step-log FILE') instead of "
+                        "measuring a grid; the CPU overhead includes the server's pause between steps")
     p.add_argument("--json", action="store_true", help="print the profile as JSON instead of the table")
     p.set_defaults(func=run)
 
@@ -51,11 +54,11 @@ def device_name(engine) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.step_log:  # no engine, no torch: the fit alone
+        profile, report = profile_from_step_log(args.step_log)
+        return write_and_report(profile, report, args)
     from datetime import datetime, timezone
 
-    from tabulate import tabulate
-
-    from kvledger.cli.common import print_json
     from kvledger.engine.config import EngineConfig
     from kvledger.engine.llm_engine import LLMEngine
     from kvledger.engine.sampling_params import SamplingParams
@@ -80,15 +83,55 @@ def run(args: argparse.Namespace) -> int:
                       dtype=args.dtype, kv_cache_dtype=engine.kv_cache_dtype, tensor_parallel_size=1,
                       block_size=engine.block_size, num_blocks=engine.num_blocks, coefficients=coefficients,
                       fit=report, created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    return write_and_report(profile, report, args)
+
+
+def profile_from_step_log(path: str):
+    """A profile fitted from a step log's records, for the model and engine its header names."""
+    from datetime import datetime, timezone
+
+    from kvledger.engine.step_log import read_step_log
+    from kvledger.errors import KVLedgerError
+    from kvledger.sim.calibrate import fit_step_log
+    from kvledger.sim.step_model import ModelFingerprint, ModelGeometry, Profile
+    from kvledger.spec import ModelSpec
+
+    header, records = read_step_log(path)
+    try:
+        spec = ModelSpec.from_config_dict({**header["hf_config"], "torch_dtype": header["dtype"]},
+                                          name=header["model"])
+        kv_dtype, block_size, num_blocks = header["kv_cache_dtype"], int(header["block_size"]), int(header["num_blocks"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise KVLedgerError(f"{path}: the step log's header lacks the model or the pool ({err})") from None
+    if len(records) < 8:
+        raise KVLedgerError(f"{path} holds {len(records)} steps; a fit needs a serving run of at least 8")
+    coefficients, report = fit_step_log(records, ModelGeometry.of(spec, kv_dtype))
+    profile = Profile(device=str(header.get("device", "unknown")), model=spec.name,
+                      fingerprint=ModelFingerprint.of(spec), dtype=header["dtype"], kv_cache_dtype=kv_dtype,
+                      tensor_parallel_size=1, block_size=block_size, num_blocks=num_blocks,
+                      coefficients=coefficients, fit=report,
+                      created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    return profile, report
+
+
+def write_and_report(profile, report, args: argparse.Namespace) -> int:
+    """Save the profile; print it (``--json``) or the fit's error per shape."""
+    from tabulate import tabulate
+
+    from kvledger.cli.common import print_json
+
+    coefficients = profile.coefficients
     profile.save(args.out)
     if args.json:
         print_json(profile.to_json())
         return 0
     rows = [[r["shape"], r["steps"], f"{r['measured_ms']:.2f}", f"{r['predicted_ms']:.2f}", f"{r['error_pct']:+.1f}"]
             for r in report]
-    print(f"{profile.model} ({args.dtype}) on {profile.device}: {sum(r['steps'] for r in report)} steps measured")
+    steps = sum(r["steps"] for r in report if r["kind"] != "total")
+    print(f"{profile.model} ({profile.dtype}) on {profile.device}: {steps} steps "
+          + (f"of a serving run ({args.step_log})" if args.step_log else "measured"))
     print(tabulate(rows, headers=["shape", "steps", "measured ms", "fit ms", "error %"], disable_numparse=True))
-    errors = [abs(r["error_pct"]) for r in report]
+    errors = [abs(r["error_pct"]) for r in report if r["kind"] != "total"]
     print(f"fit error: median {sorted(errors)[len(errors) // 2]:.1f}%, max {max(errors):.1f}%")
     print("coefficients: " + ", ".join(f"{k} {v:.3g}" for k, v in coefficients.items() if v))
     print(f"wrote {args.out}")

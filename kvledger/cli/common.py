@@ -49,6 +49,21 @@ def _wrap(parse):  # argparse wants ArgumentTypeError for a clean one-line messa
     return convert
 
 
+def request_rate(text: str) -> float | str:
+    """``--request-rate`` of ``bench serve`` and ``simulate`` (one parser): requests/s (a positive
+    finite number), ``inf`` (every request at once, as vLLM's benchmark means it) or ``trace``."""
+    if text in ("inf", "trace"):
+        return math.inf if text == "inf" else "trace"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of requests/s, 'inf' or 'trace'") from None
+    if not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number of requests/s, 'inf' (all at once) "
+                                         f"or 'trace', got {text}")
+    return value
+
+
 size = _wrap(parse_size)
 rate = _wrap(parse_rate)
 

@@ -40,6 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fleet.add_argument("--router", default="prefix-affinity", choices=["prefix-affinity", "default"],
                        help="which replica takes a request: prefix-affinity (the longest shared run of leading block "
                             "hashes, within a load margin) or Ray Serve's default (default prefix-affinity)")
+    p.add_argument("--step-log", default=None, metavar="FILE",
+                   help="write every engine step (batch, tokens, wall and model seconds) to FILE as JSON lines, "
+                        "for 'kvledger calibrate --step-log FILE'")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="server log level (default warning)")
     p.set_defaults(func=run)
@@ -68,6 +71,17 @@ def run(args: argparse.Namespace) -> int:
                     shutdown_timeout_s=args.shutdown_timeout)
     name = app.state.config.served_model_names[0]
     ledger = engine.ledger()
+    step_log = None
+    if args.step_log:
+        from kvledger.cli.calibrate import device_name
+        from kvledger.engine.step_log import StepLog
+
+        step_log = engine.step_records = StepLog(args.step_log, {
+            "model": engine.spec.name, "hf_config": engine.hf_config, "device": device_name(engine),
+            "dtype": str(engine.config.dtype),
+            "kv_cache_dtype": engine.kv_cache_dtype, "block_size": ledger.block_size,
+            "num_blocks": ledger.num_blocks, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+            "max_num_seqs": engine.config.max_num_seqs})
 
     def ready(url: str) -> None:
         print(f"kvledger serve: {name} on {url} (OpenAI API at {url}/v1, metrics at {url}/metrics, "
@@ -78,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         server = asyncio.run(serve_async(app, sock, ready, log_level=args.log_level))
     finally:
         engine.shutdown()  # the tensor-parallel ranks, if any
+        if step_log is not None:
+            step_log.close()
     after = engine.ledger()
     print(f"kvledger serve: stopped; {server.ended_by_shutdown} requests in flight were ended by the shutdown; "
           f"KV blocks allocated {after.blocks_allocated} of {after.num_blocks}", flush=True)

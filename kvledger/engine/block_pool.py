@@ -67,6 +67,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
         self._num_cached_free = 0  # free blocks that still carry a hash, kept up to date by every change
+        self._changed: list[int] = []  # blocks that lost their prefix or entered/left the free queue (bounded)
+        self._changed_base = 0  # changes before _changed[0]
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -82,6 +84,27 @@ class BlockPool:
     def lookup(self, block_hash: BlockHash) -> int | None:
         """The block holding ``block_hash``, if cached."""
         return self._cached.get(block_hash) if self.enable_caching else None
+
+    @property
+    def num_changes(self) -> int:
+        """Changes so far to blocks' cached prefixes (dropped) or free state: a mark for :meth:`changed_since`."""
+        return self._changed_base + len(self._changed)
+
+    def changed_since(self, mark: int) -> list[int] | None:
+        """Blocks that lost their cached prefix or entered or left the free queue after ``mark`` (a
+        :attr:`num_changes` value); None if the log no longer reaches back that far. While none of a
+        lookup's hits is among them, its hits are still cached (a hash only leaves the cache by a
+        drop) and as many of them are free."""
+        start = mark - self._changed_base
+        return self._changed[start:] if start >= 0 else None
+
+    def _trim_log(self) -> None:
+        """Keep the change log bounded (called after the changes of one call); older marks read None."""
+        log = self._changed
+        if len(log) > 4 * self.num_blocks + 1024:
+            half = len(log) // 2
+            del log[:half]
+            self._changed_base += half
 
     def cached_prefix(self, hashes: Iterable[BlockHash]) -> list[int]:
         """The blocks holding the longest run of leading ``hashes`` that is cached (a tight loop:
@@ -103,6 +126,7 @@ class BlockPool:
         if n > len(self._free):
             raise KVLedgerError(f"asked for {n} KV blocks but only {len(self._free)} are free")
         out = []
+        log = self._changed
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
@@ -110,19 +134,24 @@ class BlockPool:
                 self._num_cached_free -= 1
                 del self._cached[block.block_hash]
                 block.block_hash = None
+            log.append(block_id)
             block.ref_cnt = 1
             out.append(block_id)
+        self._trim_log()
         return out
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on each (cache hits); a free block leaves the free queue."""
+        log = self._changed
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
                 del self._free[block_id]
+                log.append(block_id)
                 if block.block_hash is not None:
                     self._num_cached_free -= 1
             block.ref_cnt += 1
+        self._trim_log()
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference on each, in the given order; blocks reaching zero join the free queue.
@@ -131,6 +160,7 @@ class BlockPool:
         back in the given order, so callers pass a request's blocks tail first and the
         shared beginnings of prompts are evicted last.
         """
+        log = self._changed
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_cnt <= 0:
@@ -138,10 +168,12 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block_id] = None
+                log.append(block_id)
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
                 else:
                     self._num_cached_free += 1
+        self._trim_log()
 
     def cache(self, block_id: int, block_hash: BlockHash) -> bool:
         """Register a full, owned block under ``block_hash``; False if that prefix is already cached."""
@@ -165,9 +197,11 @@ class BlockPool:
                 continue
             del self._cached[block.block_hash]
             block.block_hash = None
+            self._changed.append(block_id)
             if block.ref_cnt == 0:
                 self._num_cached_free -= 1
                 self._free.move_to_end(block_id, last=False)
+        self._trim_log()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix held by a free block."""
@@ -176,7 +210,9 @@ class BlockPool:
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
                 block.block_hash = None
+                self._changed.append(block_id)
         self._num_cached_free = 0
+        self._trim_log()
 
     # ---- checks -----------------------------------------------------------------------------
     def check_integrity(self, owners: Mapping[str, Sequence[int]]) -> None:

@@ -10,9 +10,10 @@ full blocks are hashed and shared; a request's last, partly filled block is its 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 from typing import Iterable
 
-from kvledger.engine.block_pool import BlockHash, BlockPool, blocks_for, hash_block
+from kvledger.engine.block_pool import BlockHash, BlockPool, blocks_for
 from kvledger.engine.sequence import Request
 
 
@@ -33,6 +34,9 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_cached: dict[str, int] = {}
+        self._lookups: dict[str, tuple[int, int, list[int], set[int], int]] = {}
+        """Memoised prefix lookups of waiting requests: (pool mark, blocks looked up, hits, their
+        set, how many of them are free)."""
         self.stats = PrefixCacheStats()
 
     @property
@@ -42,23 +46,50 @@ class KVCacheManager:
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
         """Chained hashes of the request's first ``num_full_blocks`` full blocks (memoised)."""
         hashes = self._hashes.setdefault(request.request_id, [])
-        bs = self.block_size
+        bs, key = self.block_size, request.block_hash
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, request.block_content(i, bs)))
-        return hashes[:num_full_blocks]
+            hashes.append(key(hashes[-1] if hashes else None, i, bs))
+        return hashes if len(hashes) == num_full_blocks else hashes[:num_full_blocks]
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Longest cached prefix of a request about to be admitted: (block ids, tokens they hold).
 
         At least one token is always left to compute, so the hit covers at most
-        ``num_tokens - 1`` tokens, rounded down to whole blocks.
+        ``num_tokens - 1`` tokens, rounded down to whole blocks. The lookup is memoised until one
+        of its hits changes (leaves the cache, or the free queue, or joins it): the head of a full
+        engine's waiting queue is asked every step.
         """
         if not self.enable_caching:
             return [], 0
+        pool, rid = self.pool, request.request_id
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits = self.pool.cached_prefix(self._block_hashes(request, max_blocks))
-        return hits, len(hits) * self.block_size
+        hashes = self._block_hashes(request, max_blocks)
+        memo = self._lookups.get(rid)
+        blocks = pool.blocks
+        if memo is not None and memo[1] == max_blocks:
+            changed = pool.changed_since(memo[0])
+            if changed is not None and memo[3].isdisjoint(changed):
+                hits, hit_set, free_hits = memo[2], memo[3], memo[4]
+                more = pool.cached_prefix(islice(hashes, len(hits), None))  # prefixes cached since
+                hits.extend(more)
+                hit_set.update(more)
+                free_hits += sum([blocks[b].ref_cnt == 0 for b in more])
+                self._lookups[rid] = (pool.num_changes, max_blocks, hits, hit_set, free_hits)
+                return list(hits), len(hits) * self.block_size
+        hits = pool.cached_prefix(hashes)
+        free_hits = sum([blocks[b].ref_cnt == 0 for b in hits])
+        self._lookups[rid] = (pool.num_changes, max_blocks, hits, set(hits), free_hits)
+        return list(hits), len(hits) * self.block_size
+
+    def _num_free_hits(self, request: Request, computed_blocks: list[int]) -> int:
+        """How many of a lookup's hits are free (they leave the free queue when taken): the
+        memoised count while the pool is as the lookup left it, else counted."""
+        memo = self._lookups.get(request.request_id)
+        if memo is not None and memo[0] == self.pool.num_changes and len(memo[2]) == len(computed_blocks):
+            return memo[4]
+        blocks = self.pool.blocks
+        return sum([blocks[b].ref_cnt == 0 for b in computed_blocks])
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size)
@@ -80,9 +111,11 @@ class KVCacheManager:
         table = table if table is not None else []
         need = self.num_blocks_needed(total_tokens) - len(table) - len(computed_blocks)
         # hits that are currently free leave the free queue when touched
-        blocks = self.pool.blocks
-        free_hits = sum([blocks[b].ref_cnt == 0 for b in computed_blocks]) if computed_blocks else 0
-        if need > self.pool.num_free_blocks - free_hits:
+        num_free = self.pool.num_free_blocks
+        if need > num_free:  # short even if no hit were free: skip counting them
+            return False
+        free_hits = self._num_free_hits(request, computed_blocks) if computed_blocks else 0
+        if need > num_free - free_hits:
             return False
         if request.request_id not in self.block_tables:
             self.block_tables[request.request_id] = table
@@ -126,6 +159,7 @@ class KVCacheManager:
 
     def record_admission(self, request: Request, num_hit_tokens: int) -> None:
         """Count an admission in the prefix-cache stats (queries and hits in tokens)."""
+        self._lookups.pop(request.request_id, None)
         if self.enable_caching:
             self.stats.queries += request.num_tokens
             self.stats.hits += num_hit_tokens
@@ -142,6 +176,7 @@ class KVCacheManager:
     def forget(self, request_id: str) -> None:
         """Drop memoised hashes of a request that left the engine."""
         self._hashes.pop(request_id, None)
+        self._lookups.pop(request_id, None)
 
     def tokens_used(self, running: Iterable[Request]) -> int:
         """Tokens with K/V in allocated blocks, a shared block counted once; O(running requests).

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from kvledger.engine.block_pool import BlockHash, hash_block
 from kvledger.engine.sampling_params import SamplingParams
 
 
@@ -68,6 +69,11 @@ class Request:
         The scheduler never needs more than this and :attr:`num_tokens`, so a request known only
         by lengths and block hashes (the simulator's) answers with keys of its own instead."""
         return self.token_ids_slice(index * block_size, (index + 1) * block_size)
+
+    def block_hash(self, parent: BlockHash | None, index: int, block_size: int) -> BlockHash:
+        """The prefix-cache key of full block ``index``: its content chained to ``parent``, the key
+        of block ``index - 1`` (None for the first)."""
+        return hash_block(parent, self.block_content(index, block_size))
 
     @property
     def is_finished(self) -> bool:

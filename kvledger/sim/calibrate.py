@@ -116,32 +116,81 @@ def measure(engine: Any, shapes: list[Shape], geometry: ModelGeometry, *, reps: 
     return out
 
 
-def fit(measured: list[Measured], gpu_terms=GPU_FIT_TERMS) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Coefficients from every measured step, and the fit's error per shape (medians, percent)."""
-    rows = [row for m in measured for row in m.rows]
-    recs = [r for m in measured for r in m.records]
+def _fit(rows: list[list[float]], model_s: list[float], cpu_s: list[float], gpu_terms,
+         relative: bool = True) -> dict[str, float]:
     if not rows:
         from kvledger.errors import KVLedgerError
 
         raise KVLedgerError("calibration measured no steps; give the engine a longer --max-model-len")
-    model_s = [r.model_s for r in recs]
-    cpu_s = [max(r.wall_s - r.model_s, 1e-7) for r in recs]
     coef = {t: 0.0 for t in TERMS}
-    coef.update(fit_coefficients(rows, model_s, gpu_terms))
-    coef.update(fit_coefficients(rows, cpu_s, CPU_TERMS))
-    a = np.asarray(rows, float)
+    coef.update(fit_coefficients(rows, model_s, gpu_terms, relative))
+    coef.update(fit_coefficients(rows, [max(s, 1e-7) for s in cpu_s], CPU_TERMS, relative))
+    return coef
+
+
+def _error_row(coef: dict[str, float], rows: list[list[float]], measured_s: list[float], **what: Any) -> dict[str, Any]:
+    """One line of the fit's report: medians of measured and predicted seconds of a group of steps."""
     c = np.asarray([coef[t] for t in TERMS])
-    report = []
-    i = 0
-    for m in measured:
-        n = len(m.rows)
-        if not n:
+    measured = float(np.median(measured_s))
+    predicted = float(np.median(np.asarray(rows, float) @ c))
+    return {**what, "steps": len(rows), "measured_ms": measured * 1e3, "predicted_ms": predicted * 1e3,
+            "error_pct": (predicted - measured) / measured * 100}
+
+
+def fit(measured: list[Measured], gpu_terms=GPU_FIT_TERMS) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Coefficients from every measured step, and the fit's error per shape (medians, percent)."""
+    recs = [r for m in measured for r in m.records]
+    coef = _fit([row for m in measured for row in m.rows], [r.model_s for r in recs],
+                [r.wall_s - r.model_s for r in recs], gpu_terms)
+    report = [_error_row(coef, m.rows, [r.wall_s for r in m.records], shape=m.shape.label, kind=m.shape.kind,
+                         context=m.shape.context, tokens=m.shape.tokens, batch=m.shape.batch)
+              for m in measured if m.rows]
+    return coef, report
+
+
+MAX_GAP_S = 1.0
+"""A pause between two steps longer than this is not overhead (the loop waited for work)."""
+
+
+def fit_step_log(records: list[StepRecord], geometry: ModelGeometry, gpu_terms=GPU_FIT_TERMS
+                 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Coefficients from a serving run's own steps (``kvledger serve --step-log``), and the fit's
+    error per kind of step (decode-only or with a prefill chunk, by batch size).
+
+    The model terms are fitted to ``model_s``. The CPU terms are fitted to everything else of a
+    step's period: ``wall_s - model_s`` plus the pause before the next step (the server's loop
+    hands out tokens and takes new requests there), counted only where the next step carries on
+    a request of this one, so the engine was busy throughout; other steps give the CPU fit
+    ``wall_s - model_s`` alone. The error minimised is absolute, not relative: a serving run's
+    steps are what they are (a grid has one of each shape), and with the constant terms the
+    fitted steps then add up to the measured time, which sets the latencies. The report's last
+    row compares those sums."""
+    rows, model_s, cpu_s, period_s, kinds = [], [], [], [], []
+    for i, r in enumerate(records):
+        if not r.batch:
             continue
-        measured_s = float(np.median([r.wall_s for r in m.records]))
-        predicted_s = float(np.median(a[i:i + n] @ c))
-        report.append({"shape": m.shape.label, "kind": m.shape.kind, "context": m.shape.context,
-                       "tokens": m.shape.tokens, "batch": m.shape.batch, "steps": n,
-                       "measured_ms": measured_s * 1e3, "predicted_ms": predicted_s * 1e3,
-                       "error_pct": (predicted_s - measured_s) / measured_s * 100})
-        i += n
+        gap = 0.0
+        if i + 1 < len(records):
+            nxt = records[i + 1]
+            pause = nxt.start_s - (r.start_s + r.wall_s)
+            if 0 <= pause <= MAX_GAP_S and {b[0] for b in r.batch} & {b[0] for b in nxt.batch}:
+                gap = pause
+        rows.append(batch_terms(geometry, [(c, n) for _, c, n in r.batch], r.num_samples))
+        model_s.append(r.model_s)
+        cpu_s.append(r.wall_s - r.model_s + gap)
+        period_s.append(r.wall_s + gap)
+        prefill = any(n > 1 for _, _, n in r.batch)
+        size = 1 << (len(r.batch) - 1).bit_length()  # batch sizes by powers of two
+        kinds.append(("prefill" if prefill else "decode", size))
+    coef = _fit(rows, model_s, cpu_s, gpu_terms, relative=False)
+    report = []
+    for kind, size in sorted(set(kinds)):
+        idx = [j for j, k in enumerate(kinds) if k == (kind, size)]
+        report.append(_error_row(coef, [rows[j] for j in idx], [period_s[j] for j in idx],
+                                 shape=f"{kind}, batch <= {size}", kind=kind, batch=size))
+    c = np.asarray([coef[t] for t in TERMS])
+    total, predicted = float(np.sum(period_s)), float(np.sum(np.asarray(rows, float) @ c))
+    report.append({"shape": "all steps (sum)", "kind": "total", "batch": 0, "steps": len(rows),
+                   "measured_ms": total * 1e3, "predicted_ms": predicted * 1e3,
+                   "error_pct": (predicted - total) / total * 100})
     return coef, report

@@ -11,7 +11,7 @@ The scheduler and the KV cache manager only ask a request for :attr:`Request.num
 * a shared prefix (``--shared-prefix-tokens``, a system prompt every request starts with)
   answers with the same key in every request for the blocks it fills;
 * everything else (prompts without hashes, output tokens, a prompt's tail past its hash ids)
-  is unique to the request: key ``(-1 - uid, i)``. A preempted request finds its own blocks
+  is unique to the request: key ``(-2 - uid, i)`` (not -1: Python hashes -1 as -2). A preempted request finds its own blocks
   again, as in the engine; no two requests share them.
 """
 
@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
+from kvledger.engine.block_pool import hash_block
 from kvledger.engine.sampling_params import SamplingParams
 from kvledger.engine.sequence import Request
 from kvledger.workload.traces import MOONCAKE_BLOCK_TOKENS
 
 
 SHARED_PREFIX_KEY = -(2**62)
-"""Key of the shared prefix's blocks (request keys are ``-1 - uid``, hash ids are non-negative)."""
+"""Key of the shared prefix's blocks (request keys are ``-2 - uid``, hash ids are non-negative)."""
 
 
 def hash_block_tokens(length_scale: float = 1.0) -> int:
@@ -75,7 +76,20 @@ class SimRequest(Request):
                 first, last = start // size, (end - 1) // size
                 if last < len(self.hash_ids):
                     return (*self.hash_ids[first:last + 1], start - first * size)
-        return (-1 - self.uid, index)
+        return (-2 - self.uid, index)
+
+    def block_hash(self, parent: Any, index: int, block_size: int) -> Any:
+        """The prefix-cache key of full block ``index``. Token ids are hashed as the engine hashes
+        them; the simulator's own keys (tuples of ints) are chained with Python's integer hash,
+        which is deterministic and about 50x cheaper than SHA-256 (millions of blocks per trace):
+        a 64-bit chain, so a collision among ``n`` blocks has odds of about ``n^2 / 2^65``."""
+        parent = 0 if parent is None else parent
+        content = self.block_content(index, block_size)
+        if type(content) is tuple:
+            return hash((parent, *content))
+        if type(parent) is int:  # token ids: the first block, or after simulator keys (a shared prefix)
+            parent = parent.to_bytes(8, "little", signed=True) if parent else None
+        return hash_block(parent, content)
 
     def leading_keys(self, block_size: int, limit: int) -> list[Sequence[int]]:
         """Keys of the first ``limit`` full prompt blocks (what prefix-affinity routing compares)."""

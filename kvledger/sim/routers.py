@@ -50,7 +50,7 @@ class PrefixAffinity:
         self.block_size = block_size
         self._kv = KVCacheManager(BlockPool(1), block_size)  # its hashing only: one chaining, the engine's
 
-    def hashes(self, request: SimRequest) -> list[bytes]:
+    def hashes(self, request: SimRequest) -> list:
         """The chained hashes of the request's full prompt blocks, as every replica's cache keys them."""
         hashes = self._kv._block_hashes(request, request.prompt_len // self.block_size)
         self._kv.forget(request.request_id)

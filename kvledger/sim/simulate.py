@@ -107,7 +107,9 @@ def saturation(requests: list[SimRequest], replicas: list[Replica], metrics: Ser
     keeps it near ``rate x E2EL``, an overloaded one adds ``(arrival rate - service rate) x t``. The saturation rate, given when saturated, is
     the service rate: requests finished per second of the run, the replicas busy throughout
     (arrivals above it queue without bound). Unsaturated runs give none: with continuous batching
-    a busy share says nothing about capacity (a batch of one keeps a card busy)."""
+    a busy share says nothing about capacity (a batch of one keeps a card busy). A burst (every
+    request at one instant, ``--request-rate inf``) has no arrival rate to outpace: not saturated,
+    and its saturation rate is the service rate under that full load."""
     arrivals = np.sort(np.fromiter((r.arrival_time for r in requests), float, len(requests)))
     ends = np.sort(np.fromiter((r.finish_time for r in requests), float, len(requests)))
     last = float(arrivals[-1]) if len(arrivals) else 0.0
@@ -121,7 +123,9 @@ def saturation(requests: list[SimRequest], replicas: list[Replica], metrics: Ser
     saturated = bool(last > 0 and growth >= 8 and growth > 0.1 * arrived)
     duration = metrics.duration_s
     busy = max((rep.busy_s for rep in replicas), default=0.0) / duration if duration else 0.0
-    return {"saturated": saturated, "saturation_rate": metrics.completed / duration if saturated else None,
+    burst = len(requests) > 1 and last == 0
+    return {"saturated": saturated,
+            "saturation_rate": metrics.completed / duration if (saturated or burst) and duration else None,
             "queue_growth": growth, "busy_share": busy,
             "arrival_rate": len(requests) / last if last > 0 else None}
 

@@ -142,8 +142,9 @@ class ModelGeometry:
         return self.weight_bytes - self.expert_bytes * (e - touched)
 
 
-def batch_terms(geometry: ModelGeometry, batch: Iterable[tuple[int, int]], num_samples: int) -> list[float]:
-    """The terms (in :data:`TERMS` order) of a batch of ``(num_computed_tokens, num_new_tokens)``."""
+def batch_sums(batch: Iterable[tuple[int, int]]) -> tuple[int, int, int, int, int, int]:
+    """(requests, new tokens, cached context tokens, decoding requests, prefill tokens, query-key
+    pairs of the prefill chunks) of a batch of ``(num_computed_tokens, num_new_tokens)``."""
     prefill = attention = decode = context = tokens = requests = 0
     for c, n in batch:
         requests += 1
@@ -154,6 +155,12 @@ def batch_terms(geometry: ModelGeometry, batch: Iterable[tuple[int, int]], num_s
         else:
             prefill += n
             attention += n * c + n * (n + 1) // 2
+    return requests, tokens, context, decode, prefill, attention
+
+
+def batch_terms(geometry: ModelGeometry, batch: Iterable[tuple[int, int]], num_samples: int) -> list[float]:
+    """The terms (in :data:`TERMS` order) of a batch of ``(num_computed_tokens, num_new_tokens)``."""
+    requests, tokens, context, decode, prefill, attention = batch_sums(batch)
     tb = geometry.token_bytes
     return [1.0, geometry.weight_bytes_read(tokens), prefill, attention, decode, context * tb, tokens * tb,
             tokens * geometry.allreduce_bytes_per_token, requests, 1.0, num_samples]
@@ -173,10 +180,23 @@ class StepModel:
         if unknown:
             raise KVLedgerError(f"unknown step-model terms {sorted(unknown)}; known: {', '.join(TERMS)}")
         self._coef = [float(self.coefficients.get(t, 0.0)) for t in TERMS]
+        k = dict(zip(TERMS, self._coef))
+        g = self.geometry
+        # the dot product of coefficients and terms, folded (the simulator prices every step)
+        self._fixed = k["step"] + k["cpu_step"]
+        self._per_token = (k["kv_write_bytes"] * g.token_bytes + k["allreduce_bytes"] * g.allreduce_bytes_per_token)
+        self._dense_weights = None if g.expert_bytes else k["weight_bytes"] * g.weight_bytes
 
     def step_seconds(self, batch: Iterable[tuple[int, int]], num_samples: int) -> float:
-        """Seconds of one step (model run plus CPU overhead) for the batch."""
-        return sum(a * b for a, b in zip(self._coef, batch_terms(self.geometry, batch, num_samples)))
+        """Seconds of one step (model run plus CPU overhead) for the batch: ``sum(coefficient x term)``."""
+        requests, tokens, context, decode, prefill, attention = batch_sums(batch)
+        w, pf, att, dec, kvr = self._coef[1:6]
+        weights = self._dense_weights
+        if weights is None:
+            weights = w * self.geometry.weight_bytes_read(tokens)
+        return (self._fixed + weights + pf * prefill + att * attention + dec * decode
+                + kvr * context * self.geometry.token_bytes + self._per_token * tokens
+                + self._coef[8] * requests + self._coef[10] * num_samples)
 
     @classmethod
     def from_gpu(cls, spec: ModelSpec, gpu: Any, kv_cache_dtype: str = "auto",
