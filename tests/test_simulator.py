@@ -207,26 +207,18 @@ def test_same_requests_and_arrivals_as_bench_serve():
                                             "x"]))[1].router == out["router"]
 
 
-@needs_traces
-def test_rate_inf_means_all_at_once_as_in_bench_serve():
-    """One --request-rate parser for both commands: 'inf' sends every request at 0 s, so the
-    simulated run starts with all of them waiting; its service rate under that load is named."""
+def test_simulate_and_bench_serve_read_a_rate_alike():
+    """A finite rate and 'trace' parse the same for both commands; 'inf' is bench serve's burst only
+    (the simulator refuses it, see the bad-input table)."""
     from kvledger.cli.main import build_parser
 
     parser = build_parser()
-    for rate in ("inf", "2.5", "trace"):
+    for rate in ("2.5", "trace"):
         sim = parser.parse_args(["simulate", "llama-3.1-8b", "--gpu", "h100-80gb", "--workload", "x",
                                  "--request-rate", rate]).request_rate
         bench = parser.parse_args(["bench", "serve", "--trace", "x", "--request-rate", rate]).request_rate
         assert sim == bench, rate
-    out = sim_json("llama-3.1-8b", "--gpu", "h100-80gb", "--workload", str(AZURE_CONV), "--num-prompts", "30",
-                   "--request-rate", "inf", "--max-num-seqs", "8")
-    assert out["request_rate"] == "inf" and out["completed"] == 30 and out["saturated"] is False
-    assert out["saturation_rate"] == pytest.approx(out["request_throughput"])
-    series = out["series"][0]
-    assert series["time_s"][0] == 0 and series["waiting"][0] == 30  # the burst, before the first step
-    assert max(series["running"]) == 8 and series["waiting"][1] > 0  # queued behind --max-num-seqs
-    assert all(a >= b for a, b in zip(series["waiting"], series["waiting"][1:]))  # no arrivals after 0 s
+    assert parser.parse_args(["bench", "serve", "--trace", "x", "--request-rate", "inf"]).request_rate == float("inf")
 
 
 @needs_traces
@@ -327,7 +319,8 @@ def _bad_traces(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["router", "gpu", "slo-form", "slo-duration", "slo-metric", "empty", "malformed",
-                                  "rate-0", "rate-nan", "rate--inf", "profile-garbage"])
+                                  "rate-0", "rate-nan", "rate-inf", "rate--inf",
+                                  "profile-garbage"])
 @needs_traces
 def test_bad_input_is_one_line_exit_2(tmp_path, case):
     empty, broken = _bad_traces(tmp_path)
@@ -344,6 +337,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, case):
         "malformed": (["llama-3.1-8b", "--gpu", "h100-80gb", "--workload", str(broken)], ("broken.jsonl:2",)),
         "rate-0": (base + ["--request-rate", "0"], ("--request-rate", "positive finite")),
         "rate-nan": (base + ["--request-rate", "nan"], ("--request-rate", "positive finite")),
+        "rate-inf": (base + ["--request-rate", "inf"], ("--request-rate", "'inf' is not a rate", "'trace'")),
         "rate--inf": (base + ["--request-rate=-inf"], ("--request-rate", "positive finite")),
         "profile-garbage": (["llama-3.1-8b", "--profile", str(garbage), "--workload", str(AZURE_CONV)],
                             ("not a step profile",)),

@@ -50,17 +50,33 @@ def _wrap(parse):  # argparse wants ArgumentTypeError for a clean one-line messa
 
 
 def request_rate(text: str) -> float | str:
-    """``--request-rate`` of ``bench serve`` and ``simulate`` (one parser): requests/s (a positive
-    finite number), ``inf`` (every request at once, as vLLM's benchmark means it) or ``trace``."""
+    """``--request-rate`` of ``bench serve``: requests/s (a positive finite number), ``inf`` (every
+    request at once, as vLLM's benchmark means it) or ``trace``."""
     if text in ("inf", "trace"):
         return math.inf if text == "inf" else "trace"
+    return _finite_rate(text, "'inf' (all at once) or 'trace'")
+
+
+def simulated_request_rate(text: str) -> float | str:
+    """``--request-rate`` of ``simulate``: requests/s (a positive finite number) or ``trace``.
+    ``inf`` is refused: on a virtual clock a burst of the whole trace at 0 s measures the queue,
+    not the service, so a finite rate (or the trace's own times) must be named."""
+    if text == "trace":
+        return "trace"
+    if text.strip().lower() in ("inf", "+inf", "infinity"):
+        raise argparse.ArgumentTypeError("'inf' is not a rate the simulator replays; give requests/s "
+                                         "(e.g. 20) or 'trace' for the trace's own timestamps")
+    return _finite_rate(text, "or 'trace'")
+
+
+def _finite_rate(text: str, others: str) -> float:
+    """A positive finite number of requests/s from ``text``; ``others`` names the words also accepted."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of requests/s, 'inf' or 'trace'") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of requests/s, {others}") from None
     if not (0 < value < math.inf):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number of requests/s, 'inf' (all at once) "
-                                         f"or 'trace', got {text}")
+        raise argparse.ArgumentTypeError(f"must be a positive finite number of requests/s, {others}, got {text}")
     return value
 
 

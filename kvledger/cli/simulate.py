@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvledger.cli.common import add_kv_cache_dtype, fraction, positive_float, positive_int, request_rate, size
+from kvledger.cli.common import add_kv_cache_dtype, fraction, positive_float, positive_int, simulated_request_rate, size
 from kvledger.planner.memory_wall import (DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION,
                                           DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS)
 
@@ -29,8 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sample", choices=["random", "head"], default="random",
                    help="with --num-prompts: rows at random with --seed, or the first ones (default random)")
     p.add_argument("--length-scale", type=positive_float, default=1.0, help="multiply lengths by this (default 1)")
-    p.add_argument("--request-rate", type=request_rate, default="trace",
-                   help="requests/s (Poisson), 'inf' for all at once, or 'trace' for the trace's timestamps (default trace)")
+    p.add_argument("--request-rate", type=simulated_request_rate, default="trace",
+                   help="requests/s (Poisson), or 'trace' for the trace's timestamps (default trace)")
     p.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of arrival gaps (default 1)")
     p.add_argument("--time-scale", type=positive_float, default=1.0,
                    help="with --request-rate trace: divide the trace's times by this (default 1)")
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         out = summary(res, fleet)
     out.update(model=spec.name, step_model=fleet.timer_factory().source, trace=trace.name,
                num_prompts=len(sampled), length_scale=args.length_scale,
-               request_rate="inf" if args.request_rate == float("inf") else args.request_rate,
+               request_rate=args.request_rate,
                seed=args.seed, max_model_len=max_len)
     if plt is not None:
         from kvledger.sim.plot import plot_run

@@ -108,7 +108,7 @@ def saturation(requests: list[SimRequest], replicas: list[Replica], metrics: Ser
     the service rate: requests finished per second of the run, the replicas busy throughout
     (arrivals above it queue without bound). Unsaturated runs give none: with continuous batching
     a busy share says nothing about capacity (a batch of one keeps a card busy). A burst (every
-    request at one instant, ``--request-rate inf``) has no arrival rate to outpace: not saturated,
+    request at one instant) has no arrival rate to outpace: not saturated,
     and its saturation rate is the service rate under that full load."""
     arrivals = np.sort(np.fromiter((r.arrival_time for r in requests), float, len(requests)))
     ends = np.sort(np.fromiter((r.finish_time for r in requests), float, len(requests)))
