@@ -87,6 +87,19 @@ class Sim:
         self.kv.check_integrity()
         return out
 
+    def drain(self, max_steps):
+        """Step until every request finished (within ``max_steps``: nothing hangs); then every
+        block is free with a zero count and no table of any group remains."""
+        for _ in range(max_steps):
+            if not self.sched.has_unfinished():
+                break
+            self.step()
+        assert not self.sched.has_unfinished()
+        assert self.pool.num_free_blocks == self.pool.num_blocks
+        assert all(b.ref_cnt == 0 for b in self.pool.blocks)
+        assert all(tables == {} for tables in self.kv.group_tables)
+        self.kv.check_integrity()
+
     def abort(self, index):
         if self.live:
             rid = sorted(self.live)[index % len(self.live)]
@@ -117,15 +130,7 @@ def test_random_traffic_keeps_the_pool_consistent(data):
             sim.abort(data.draw(st.integers(0, 100)))
         else:
             sim.step()
-    for _ in range(10 * capacity + 100):  # drain: every request finishes, nothing hangs
-        if not sim.sched.has_unfinished():
-            break
-        sim.step()
-    assert not sim.sched.has_unfinished()
-    assert sim.pool.num_free_blocks == num_blocks
-    assert all(b.ref_cnt == 0 for b in sim.pool.blocks)
-    assert sim.kv.block_tables == {}
-    sim.kv.check_integrity()
+    sim.drain(10 * capacity + 100)
 
     # a prompt seen again hits every full block of its cached prefix
     prompt = prefixes[0] + [3] * (bs + 1)
@@ -202,15 +207,7 @@ def test_random_traffic_keeps_a_hybrid_pool_consistent(data):
             sim.abort(data.draw(st.integers(0, 100)))
         else:
             sim.step()
-    for _ in range(10 * capacity + 100):
-        if not sim.sched.has_unfinished():
-            break
-        sim.step()
-    assert not sim.sched.has_unfinished()
-    assert sim.pool.num_free_blocks == num_blocks
-    assert all(b.ref_cnt == 0 for b in sim.pool.blocks)
-    assert all(tables == {} for tables in sim.kv.group_tables)
-    sim.kv.check_integrity()
+    sim.drain(10 * capacity + 100)
 
     prompt = (prefixes[0] + [3] * (bs + 1))[:capacity - 1]
     sim.arrive(prompt, 1)

