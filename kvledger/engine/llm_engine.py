@@ -41,6 +41,7 @@ from kvledger.engine.sequence import Request
 from kvledger.errors import KVLedgerError, ParameterError
 from kvledger.layers.paged_kv import TORCH_DTYPES
 from kvledger.layers.quantized_kv import make_kv_cache
+from kvledger.spec.dtypes import PER_LAYER_SCALE_DTYPES
 from kvledger.units import available_ram_bytes, format_bytes
 
 
@@ -117,6 +118,9 @@ class LLMEngine:
         # blocks page one group's layers each; the cache tensor holds that many layers.
         self.kv_groups = getattr(model, "kv_groups", None) or [KVCacheGroup(FULL_ATTENTION, tuple(range(self.spec.num_layers)))]
         cache_layers = max(len(g.layers) for g in self.kv_groups)
+        if len(self.kv_groups) > 1 and self.kv_cache_dtype in PER_LAYER_SCALE_DTYPES:
+            raise KVLedgerError(f"--kv-cache-dtype {self.kv_cache_dtype} keeps one scale per layer, but {self.model_name}'s "
+                                "KV groups share cache layers; use int8 (per-token scales) or a 16/32-bit cache")
         num_blocks = config.num_gpu_blocks_override or self.kv_bytes.num_pages(self._kv_cache_memory(), bs)
         pool_bytes = self.kv_bytes.pages_bytes(num_blocks, bs)
         free, _ = _device_memory(self.device)
