@@ -152,3 +152,20 @@ def test_int8_cache_runs_hybrid_and_measures_its_bytes(prompts, reference):
     tokens, _ = _run(llm, prompts[:4], check_bytes=False)
     agree = sum(t[:8] == r[0][:8] for t, r in zip(tokens, reference[:4]))
     assert agree >= 3
+
+
+def test_generate_json_lists_the_kv_groups():
+    """``kvledger generate --model gemma-3-270m --json``: ``kv.groups`` names each group's attention
+    type, layers and peak blocks; the pool's bytes are pages of three layers, predicted = measured."""
+    from tests.cli_helpers import kvledger
+
+    kv = kvledger("generate", "--model", "gemma-3-270m", "The capital of France is", "--max-tokens", "2",
+                  "--kv-cache-memory", "64MiB", "--json").json()["kv"]
+    groups = kv["groups"]
+    assert [g["attention"] for g in groups] == ["full_attention"] + ["sliding_attention"] * 5
+    assert sorted(layer for g in groups for layer in g["layers"]) == list(range(18))
+    assert [g["blocks_allocated_peak"] for g in groups] == [1] * 6  # 7 tokens: one block in every group
+    assert kv["measured_bytes"] == kv["predicted_bytes"] == kv["num_blocks"] * 16 * 3 * 2 * 256 * 4
+    assert kv["bytes_per_token"] == 18 * 2 * 256 * 4
+    bad = kvledger("generate", "--model", "gemma-3-270m", "hi", "--kv-cache-dtype", "fp8", "--kv-cache-memory", "64MiB")
+    assert bad.returncode == 2 and "int8" in bad.stderr and "Traceback" not in bad.stderr
