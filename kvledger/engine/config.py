@@ -94,7 +94,8 @@ def add_engine_args(parser: Any) -> None:
     from kvledger.cli.common import fraction, positive_int, size
 
     g = parser.add_argument_group("engine (vLLM flag names)")
-    g.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF model directory")
+    g.add_argument("--model", default=None,
+                   help="smollm2-135m (default), gemma-3-270m, a .gguf file or an HF model directory")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights and activations dtype (default float32)")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda if present)")

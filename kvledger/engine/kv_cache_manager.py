@@ -5,16 +5,69 @@ that those tokens fill in the prefix cache right away: in a step, every layer wr
 K/V before any attention reads, so a request admitted in the same step may already share
 them (if the step fails, :meth:`KVCacheManager.uncache_unwritten` takes them back out). Only
 full blocks are hashed and shared; a request's last, partly filled block is its own.
+
+**KV-cache groups** (hybrid models such as Gemma-3): layers of one attention type are cut into
+groups of equal size (:func:`kv_cache_groups`), every group has its own block table per request,
+and all of them draw on the one pool, whose block is a page of one group's layers. A
+sliding-window group holds only the blocks that still hold one of the last ``window`` tokens
+(:meth:`KVCacheManager.free_out_of_window`); the slots of the blocks it gave back read
+:data:`NULL_BLOCK`. Prefix caching keys a block by its hash and its group, and a hit must be
+present in every group: all of the prefix for a full-attention group, only the blocks the
+window still needs for a sliding one. A model without sliding layers has one full group and
+takes the single-group paths unchanged.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import islice
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from kvledger.engine.block_pool import BlockHash, BlockPool, blocks_for
 from kvledger.engine.sequence import Request
+from kvledger.spec.kv_bytes import first_kept_block, kv_group_sizes
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+NULL_BLOCK = -1
+"""A sliding-window table's entry for a block it gave back (its tokens left the window)."""
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share one block table per request: their ``attention`` type, the model's layer
+    indices, and the ``sliding_window`` in tokens (None for full attention)."""
+
+    attention: str
+    layers: tuple[int, ...]
+    sliding_window: int | None = None
+
+
+def kv_cache_groups(layer_types: Sequence[str], sliding_window: int | None) -> list[KVCacheGroup]:
+    """vLLM's grouping: each attention type's layers, in order, cut into groups of ``g`` layers,
+    ``g`` the smallest count of any type (one type: one group of every layer). The last group of
+    a type may hold fewer layers; its pages are paid for in full (:func:`vllm_page_layers`)."""
+    by_type: dict[str, list[int]] = {}
+    for i, kind in enumerate(layer_types):
+        by_type.setdefault(FULL_ATTENTION if kind == FULL_ATTENTION else SLIDING_ATTENTION, []).append(i)
+    if len(by_type) == 1:
+        kind, layers = next(iter(by_type.items()))
+        return [KVCacheGroup(kind, tuple(layers), sliding_window if kind == SLIDING_ATTENTION else None)]
+    size, _, _ = kv_group_sizes(len(by_type[FULL_ATTENTION]), len(by_type[SLIDING_ATTENTION]))
+    groups = []
+    for kind in (FULL_ATTENTION, SLIDING_ATTENTION):
+        layers = by_type[kind]
+        for start in range(0, len(layers), size):
+            groups.append(KVCacheGroup(kind, tuple(layers[start:start + size]),
+                                       sliding_window if kind == SLIDING_ATTENTION else None))
+    return groups
+
+
+def first_live_block(num_tokens: int, window: int | None, block_size: int) -> int:
+    """Index of the first block a group keeps for a request with ``num_tokens`` computed tokens:
+    0 for full attention, else the block holding the first of the last ``window`` tokens (the
+    planner's arithmetic, :func:`kvledger.spec.kv_bytes.first_kept_block`)."""
+    return first_kept_block(num_tokens, window, block_size)
 
 
 @dataclass
@@ -28,16 +81,29 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Block tables, chained block hashes and allocation for the scheduler."""
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, groups: Sequence[KVCacheGroup] | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
-        self.block_tables: dict[str, list[int]] = {}
+        self.groups: tuple[KVCacheGroup, ...] = tuple(groups) if groups else (KVCacheGroup(FULL_ATTENTION, ()),)
+        self.group_tables: list[dict[str, list[int]]] = [{} for _ in self.groups]
+        """Per group: request id -> block table (logical block ``i`` of the request at index ``i``)."""
+        self.block_tables = self.group_tables[0]
+        """The first group's tables: every table of a model with a single group."""
+        self.hybrid = len(self.groups) > 1
+        self._windows = [g.sliding_window for g in self.groups]
+        self._first_live: list[dict[str, int]] = [{} for _ in self.groups]  # blocks given back, per request
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_cached: dict[str, int] = {}
         self._lookups: dict[str, tuple[int, int, list[int], set[int], int]] = {}
         """Memoised prefix lookups of waiting requests: (pool mark, blocks looked up, hits, their
         set, how many of them are free)."""
+        self.blocks_allocated_peak = [0] * len(self.groups)
         self.stats = PrefixCacheStats()
+
+    @staticmethod
+    def _key(block_hash: BlockHash, group: int) -> BlockHash:
+        """The prefix-cache key of a block of ``group``: its hash, tagged by the group past the first."""
+        return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
 
     @property
     def enable_caching(self) -> bool:
@@ -64,6 +130,8 @@ class KVCacheManager:
             return [], 0
         pool, rid = self.pool, request.request_id
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.hybrid:
+            return self._hybrid_hit(self._block_hashes(request, max_blocks))
         hashes = self._block_hashes(request, max_blocks)
         memo = self._lookups.get(rid)
         blocks = pool.blocks
@@ -91,6 +159,35 @@ class KVCacheManager:
         blocks = self.pool.blocks
         return sum([blocks[b].ref_cnt == 0 for b in computed_blocks])
 
+    def _hybrid_hit(self, hashes: list[BlockHash]) -> tuple[list[list[int]], int]:
+        """The longest prefix of ``hashes`` every group can resume from: per group its block ids
+        (:data:`NULL_BLOCK` where a sliding group needs no block), and the tokens they cover.
+
+        A full group needs every block of the prefix cached; a sliding group only the blocks
+        from :func:`first_live_block` of the hit on. Shortening the hit for one group moves the
+        window of the others, so the lengths are narrowed until every group agrees (vLLM's
+        coordinator does the same)."""
+        bs, lookup = self.block_size, self.pool.lookup
+        cached = [[lookup(self._key(h, g)) for h in hashes] for g in range(len(self.groups))]
+        n = len(hashes)
+        while True:
+            agreed = n
+            for g, window in enumerate(self._windows):
+                blocks = cached[g]
+                m = agreed
+                if window is None:
+                    m = next((i for i in range(m) if blocks[i] is None), m)
+                else:
+                    while m > 0 and any(b is None for b in blocks[first_live_block(m * bs, window, bs):m]):
+                        m -= 1
+                agreed = m
+            if agreed == n:
+                break
+            n = agreed
+        hits = [[b if i >= first_live_block(n * bs, w, bs) else NULL_BLOCK for i, b in enumerate(cached[g][:n])]
+                for g, w in enumerate(self._windows)]
+        return hits, n * bs
+
     def num_blocks_needed(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size)
 
@@ -101,6 +198,8 @@ class KVCacheManager:
         ``num_computed_tokens`` already counts them). Nothing changes when it returns False.
         """
         total_tokens = request.num_computed_tokens + num_new_tokens
+        if self.hybrid:
+            return self._allocate_hybrid(request, total_tokens, computed_blocks)  # type: ignore[arg-type]
         table = self.block_tables.get(request.request_id)
         if table is not None and not computed_blocks and -(-total_tokens // self.block_size) <= len(table):
             # the common decode step: its blocks already hold the new tokens (the simulator's hot path)
@@ -129,6 +228,69 @@ class KVCacheManager:
         self._cache_full_blocks(request, total_tokens)
         return True
 
+    def _allocate_hybrid(self, request: Request, total_tokens: int, computed_blocks: list[list[int]] | None) -> bool:
+        """:meth:`allocate_slots` over every group: a sliding group first gives back the blocks
+        that left its window (always safe: no later token attends to them), then every group
+        gets the blocks up to ``total_tokens``, or none of them does."""
+        rid = request.request_id
+        self.free_out_of_window(request)
+        needed = blocks_for(total_tokens, self.block_size)
+        hits = computed_blocks or [[] for _ in self.groups]
+        blocks = self.pool.blocks
+        need = free_hits = 0
+        for g, tables in enumerate(self.group_tables):
+            table = tables.get(rid)
+            need += max(0, needed - (len(table) if table is not None else 0) - len(hits[g]))
+            free_hits += sum(1 for b in hits[g] if b != NULL_BLOCK and blocks[b].ref_cnt == 0)
+        if need > self.pool.num_free_blocks - free_hits:
+            return False
+        if rid not in self.block_tables:
+            self._num_cached[rid] = 0
+        for g, tables in enumerate(self.group_tables):  # every hit taken before any allocation evicts one
+            table = tables.setdefault(rid, [])
+            if hits[g]:
+                real = [b for b in hits[g] if b != NULL_BLOCK]
+                self.pool.touch(real)
+                self._first_live[g][rid] = len(hits[g]) - len(real)
+                table.extend(hits[g])
+                self._num_cached[rid] = len(hits[g])
+            else:
+                self._first_live[g].setdefault(rid, 0)
+        for tables in self.group_tables:
+            table = tables[rid]
+            if needed > len(table):
+                table.extend(self.pool.allocate(needed - len(table)))
+        self._cache_full_blocks(request, total_tokens)
+        return True
+
+    def free_out_of_window(self, request: Request) -> None:
+        """Give back, in every sliding group, the request's blocks that no longer hold any of its
+        last ``window`` computed tokens (oldest first, to the back of the free queue: a cached
+        one stays a prefix-cache entry until it is reused)."""
+        rid = request.request_id
+        for g, window in enumerate(self._windows):
+            if window is None:
+                continue
+            table = self.group_tables[g].get(rid)
+            if not table:
+                continue
+            start = self._first_live[g].get(rid, 0)
+            end = min(first_live_block(request.num_computed_tokens, window, self.block_size), len(table))
+            if end > start:
+                self.pool.free(table[start:end])
+                table[start:end] = [NULL_BLOCK] * (end - start)
+                self._first_live[g][rid] = end
+
+    def note_peaks(self) -> None:
+        """Update :attr:`blocks_allocated_peak` (per group) with the blocks held now."""
+        for g, held in enumerate(self.blocks_held()):
+            if held > self.blocks_allocated_peak[g]:
+                self.blocks_allocated_peak[g] = held
+
+    def blocks_held(self) -> list[int]:
+        """Per group: distinct blocks its tables hold (a block belongs to one group at a time)."""
+        return [len({b for table in tables.values() for b in table if b != NULL_BLOCK}) for tables in self.group_tables]
+
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_caching:
             return
@@ -138,6 +300,14 @@ class KVCacheManager:
         if full <= done:
             return
         hashes = self._block_hashes(request, full)
+        if self.hybrid:
+            for g, tables in enumerate(self.group_tables):
+                table = tables[rid]
+                for i in range(done, full):
+                    if table[i] != NULL_BLOCK:
+                        self.pool.cache(table[i], self._key(hashes[i], g))
+            self._num_cached[rid] = full
+            return
         table = self.block_tables[rid]
         for i in range(done, full):
             self.pool.cache(table[i], hashes[i])
@@ -152,10 +322,11 @@ class KVCacheManager:
         first may hold tokens of earlier steps, but only became full now); the blocks before
         them were full and written already (earlier steps, or prefix-cache hits).
         """
-        table = self.block_tables.get(request.request_id, [])
         first = request.num_computed_tokens // self.block_size
         end = (request.num_computed_tokens + num_new_tokens) // self.block_size
-        self.pool.uncache(table[first:end])
+        for tables in self.group_tables:
+            table = tables.get(request.request_id, [])
+            self.pool.uncache(b for b in table[first:end] if b != NULL_BLOCK)
 
     def record_admission(self, request: Request, num_hit_tokens: int) -> None:
         """Count an admission in the prefix-cache stats (queries and hits in tokens)."""
@@ -169,9 +340,12 @@ class KVCacheManager:
 
         Its memoised block hashes stay (a preempted request is admitted again); :meth:`forget`
         drops them when it leaves the engine."""
-        table = self.block_tables.pop(request.request_id, [])
-        self.pool.free(reversed(table))
-        self._num_cached.pop(request.request_id, None)
+        rid = request.request_id
+        for g, tables in enumerate(self.group_tables):
+            table = tables.pop(rid, [])
+            self.pool.free(reversed(table) if not self.hybrid else [b for b in reversed(table) if b != NULL_BLOCK])
+            self._first_live[g].pop(rid, None)
+        self._num_cached.pop(rid, None)
 
     def forget(self, request_id: str) -> None:
         """Drop memoised hashes of a request that left the engine."""
@@ -185,6 +359,8 @@ class KVCacheManager:
         its computed tokens. A block is shared only as a full prefix-cache hit, which lies within
         the computed tokens of every holder, so the sum of computed tokens counts each extra
         reference to a block once, ``block_size`` tokens each time."""
+        if self.hybrid:
+            return sum(self.group_tokens_used(running))
         tables = self.block_tables
         computed = references = 0
         for request in running:
@@ -193,5 +369,47 @@ class KVCacheManager:
         allocated = self.pool.num_blocks - self.pool.num_free_blocks
         return computed - (references - allocated) * self.block_size
 
+    def group_tokens_used(self, running: Iterable[Request]) -> list[int]:
+        """Per group, :meth:`tokens_used`: the token slots with K/V in the group's blocks, from each
+        request's first kept block to its computed tokens, a shared block counted once."""
+        running = list(running)
+        bs, out = self.block_size, []
+        for g, (tables, held) in enumerate(zip(self.group_tables, self.blocks_held())):
+            computed = references = 0
+            for request in running:
+                first = self._first_live[g].get(request.request_id, 0)
+                computed += request.num_computed_tokens - first * bs
+                references += len(tables[request.request_id]) - first
+            out.append(computed - (references - held) * bs)
+        return out
+
+    def request_token_slots(self, request: Request) -> list[int]:
+        """Per group: the token slots request ``request`` holds (its computed tokens from its
+        first kept block on): the measured side of :func:`kvledger.spec.kv_bytes.sliding_held_tokens`."""
+        rid, bs = request.request_id, self.block_size
+        out = []
+        for g, tables in enumerate(self.group_tables):
+            table = tables.get(rid)
+            live = 0 if table is None else sum(1 for b in table if b != NULL_BLOCK)
+            first = 0 if table is None else len(table) - live
+            out.append(min(request.num_computed_tokens - first * bs, live * bs) if table is not None else 0)
+        return out
+
     def check_integrity(self) -> None:
-        self.pool.check_integrity(self.block_tables)
+        """The pool agrees with every table of every group; in a sliding group, the blocks given
+        back are exactly the leading :data:`NULL_BLOCK` entries and no block sits in two groups."""
+        if not self.hybrid:
+            self.pool.check_integrity(self.block_tables)
+            return
+        owners: dict[str, list[int]] = {}
+        seen: dict[int, int] = {}
+        for g, tables in enumerate(self.group_tables):
+            for rid, table in tables.items():
+                first = self._first_live[g].get(rid, 0)
+                assert all(b == NULL_BLOCK for b in table[:first]), f"group {g}, {rid}: a given-back slot holds a block"
+                assert NULL_BLOCK not in table[first:], f"group {g}, {rid}: a hole after the first kept block {table}"
+                for b in table[first:]:
+                    assert seen.setdefault(b, g) == g, f"block {b} is in groups {seen[b]} and {g}"
+                owners[f"{rid}/{g}"] = table[first:]
+        assert all(set(t) == set(self.block_tables) for t in self.group_tables), "groups hold different requests"
+        self.pool.check_integrity(owners)

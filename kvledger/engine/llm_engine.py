@@ -31,9 +31,9 @@ import torch
 
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.config import CPU_KV_CACHE_MAX, CPU_KV_CACHE_SHARE, GPU_MEMORY_UTILIZATION, EngineConfig
-from kvledger.engine.kv_cache_manager import KVCacheManager
+from kvledger.engine.kv_cache_manager import FULL_ATTENTION, KVCacheGroup, KVCacheManager
 from kvledger.engine.model_runner import ModelRunner
-from kvledger.engine.outputs import CompletionOutput, KVLedger, RequestOutput, StepRecord
+from kvledger.engine.outputs import CompletionOutput, KVGroupLedger, KVLedger, RequestOutput, StepRecord
 from kvledger.engine.sampler import sample
 from kvledger.engine.sampling_params import SamplingParams
 from kvledger.engine.scheduler import Scheduler, SchedulerOutput
@@ -41,6 +41,7 @@ from kvledger.engine.sequence import Request
 from kvledger.errors import KVLedgerError, ParameterError
 from kvledger.layers.paged_kv import TORCH_DTYPES
 from kvledger.layers.quantized_kv import make_kv_cache
+from kvledger.spec.dtypes import PER_LAYER_SCALE_DTYPES
 from kvledger.units import available_ram_bytes, format_bytes
 
 
@@ -85,11 +86,15 @@ class LLMEngine:
         self.model_name = checkpoint.name
         model_dir = converted_dir(checkpoint)
         self.hf_config = read_config(model_dir)
+        from kvledger.models import gemma3
         from kvledger.models.llama import SUPPORTED_MODEL_TYPES
 
-        if self.hf_config.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        model_class: Any = LlamaForCausalLM
+        if self.hf_config.get("model_type") in gemma3.SUPPORTED_MODEL_TYPES:
+            model_class = gemma3.Gemma3ForCausalLM
+        elif self.hf_config.get("model_type") not in SUPPORTED_MODEL_TYPES:
             raise KVLedgerError(f"{self.model_name}: model_type {self.hf_config.get('model_type')!r} is not supported by "
-                                f"the engine; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+                                f"the engine; supported: {', '.join(SUPPORTED_MODEL_TYPES + gemma3.SUPPORTED_MODEL_TYPES)}")
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or model_dir))
         except (OSError, ValueError) as err:
@@ -104,20 +109,30 @@ class LLMEngine:
         self.kv_bytes = kv_bytes(self.spec, self.kv_cache_dtype, tensor_parallel_size=tp)  # raises for a bad TP
         self.executor = None
         if tp > 1:  # ranks 1..tp-1 start loading their shards while rank 0 loads its own here
+            if model_class is not LlamaForCausalLM:
+                raise KVLedgerError(f"--tensor-parallel-size {tp}: the engine shards the Llama family only, "
+                                    f"not {self.model_name} ({self.hf_config.get('model_type')}); use --tensor-parallel-size 1")
             from kvledger.distributed.executor import TPExecutor
 
             self.executor = TPExecutor(tp, model_dir, self.hf_config, self.dtype, self.device)
             model = self.executor.model
         else:
             with torch.device("meta"):
-                model = LlamaForCausalLM(self.hf_config)
+                model = model_class(self.hf_config)
             model = model.to_empty(device=self.device).to(self.dtype)
             model.load_hf_state_dict(load_safetensors_state_dict(model_dir, self.dtype))
         self.model = model.eval()
         self.bytes_per_token = self.kv_bytes.bytes_per_token
         bs = config.block_size
-        num_blocks = config.num_gpu_blocks_override or self.kv_bytes.num_blocks(self._kv_cache_memory(), bs)
-        pool_bytes = self.kv_bytes.pool_bytes(num_blocks, bs) * (tp if self.device.type == "cpu" else 1)  # CPU ranks share RAM
+        # KV-cache groups: one of every layer, or (sliding + full layers) groups of equal size whose
+        # blocks page one group's layers each; the cache tensor holds that many layers.
+        self.kv_groups = getattr(model, "kv_groups", None) or [KVCacheGroup(FULL_ATTENTION, tuple(range(self.spec.num_layers)))]
+        cache_layers = max(len(g.layers) for g in self.kv_groups)
+        if len(self.kv_groups) > 1 and self.kv_cache_dtype in PER_LAYER_SCALE_DTYPES:
+            raise KVLedgerError(f"--kv-cache-dtype {self.kv_cache_dtype} keeps one scale per layer, but {self.model_name}'s "
+                                "KV groups share cache layers; use int8 (per-token scales) or a 16/32-bit cache")
+        num_blocks = config.num_gpu_blocks_override or self.kv_bytes.num_pages(self._kv_cache_memory(), bs)
+        pool_bytes = self.kv_bytes.pages_bytes(num_blocks, bs) * (tp if self.device.type == "cpu" else 1)  # CPU ranks share RAM
         free, _ = _device_memory(self.device)
         if pool_bytes > free:  # checked before allocating: a pool that cannot fit would exhaust the machine
             flag = "--num-gpu-blocks-override" if config.num_gpu_blocks_override else "--kv-cache-memory"
@@ -125,23 +140,24 @@ class LLMEngine:
                                 f"{self.device.type} has {format_bytes(free)} free; lower {flag}")
         max_pos = int(self.hf_config.get("max_position_embeddings") or 2048)
         if config.max_model_len is None:
-            self.max_model_len = min(max_pos, num_blocks * bs)
+            self.max_model_len = self._longest_fitting(max_pos, num_blocks)
         else:
             self.max_model_len = config.max_model_len
             if self.max_model_len > max_pos:
                 raise KVLedgerError(f"--max-model-len {self.max_model_len} exceeds the model's "
                                     f"max_position_embeddings {max_pos}")
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)  # raises for no blocks
-        if num_blocks * bs < self.max_model_len:
+        if self._request_blocks(self.max_model_len) > num_blocks:
             raise KVLedgerError(
                 f"the KV pool holds {num_blocks} blocks x {bs} tokens = {num_blocks * bs} tokens "
-                f"({self.bytes_per_token} bytes/token) but --max-model-len is {self.max_model_len}; "
+                f"({self.bytes_per_token} bytes/token) but one request of --max-model-len {self.max_model_len} tokens "
+                f"may need {self._request_blocks(self.max_model_len)} blocks; "
                 "give more --kv-cache-memory or a smaller --max-model-len")
         if self.executor is None:
-            self.cache = make_kv_cache(self.kv_cache_dtype, self.spec.num_layers, num_blocks, bs,
-                                       self.spec.num_kv_heads, self.spec.head_dim, self.dtype, self.device)
+            self.cache = make_kv_cache(self.kv_cache_dtype, cache_layers, num_blocks, bs, self.spec.num_kv_heads,
+                                       self.spec.head_dim, self.dtype, self.device)
             self.model.set_rope(self.max_model_len)
-            self.runner: ModelRunner | Any = ModelRunner(self.model, self.cache, self.device)
+            self.runner: ModelRunner | Any = ModelRunner(self.model, self.cache, self.device, self.kv_groups)
         else:  # every rank allocates its own heads' cache; the pool's blocks are the minimum over ranks
             from kvledger.distributed.executor import CacheSpec
 
@@ -152,7 +168,7 @@ class LLMEngine:
                 num_blocks = self.executor.cache_spec.num_blocks
                 self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
             self.runner = self.executor
-        self.kv_manager = KVCacheManager(self.pool, bs)
+        self.kv_manager = KVCacheManager(self.pool, bs, self.kv_groups)
         self.scheduler = Scheduler(config, self.kv_manager)
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
@@ -165,6 +181,26 @@ class LLMEngine:
         self.generator = None if config.seed is None else torch.Generator(self.device).manual_seed(config.seed)
 
     # ---- set-up helpers -------------------------------------------------------------------
+    def _request_blocks(self, num_tokens: int) -> int:
+        """The most blocks one request of ``num_tokens`` tokens can hold at once: every block in a
+        full group; in a sliding group its window plus the largest prefill chunk, and one more
+        for a window that does not start at a block's edge."""
+        bs, chunk = self.config.block_size, self.config.max_num_batched_tokens
+        blocks = -(-num_tokens // bs)
+        return sum(blocks if g.sliding_window is None else min(blocks, -(-(g.sliding_window + chunk) // bs) + 1)
+                   for g in self.kv_groups)
+
+    def _longest_fitting(self, max_pos: int, num_blocks: int) -> int:
+        """The longest request (at most ``max_pos`` tokens) whose blocks always fit the pool."""
+        lo, hi = 0, max_pos
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._request_blocks(mid) <= num_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def _kv_cache_memory(self) -> int:
         if self.config.kv_cache_memory is not None:
             return int(self.config.kv_cache_memory)
@@ -261,13 +297,15 @@ class LLMEngine:
                  if self.step_records is not None else [])
         try:
             model_start = time.perf_counter()
-            samplers, logits = self.runner.execute(out, self.kv_manager.block_tables)
+            samplers, logits = self.runner.execute(out, self.kv_manager.group_tables)
             model_s = time.perf_counter() - model_start
         except BaseException:
             self._abort_failed_step(out)
             raise
         self.scheduler.update(out)
         self.blocks_allocated_peak = max(self.blocks_allocated_peak, self.pool.num_blocks - self.pool.num_free_blocks)
+        if self.kv_manager.hybrid:
+            self.kv_manager.note_peaks()
         requests = [s.request for s in samplers]
         tokens, failed = sample(logits, requests, self.eos_token_ids) if requests else ([], {})
         now = time.perf_counter()
@@ -371,14 +409,18 @@ class LLMEngine:
 
     # ---- the ledger -------------------------------------------------------------------------
     def ledger(self) -> KVLedger:
-        """Live KV numbers: blocks vs tokens (waste), prefix-cache hits, preemptions, bytes (Eq 2.2 vs measured)."""
+        """Live KV numbers: blocks vs tokens (waste), prefix-cache hits, preemptions, bytes (Eq 2.2 vs
+        measured), per KV-cache group and per running request."""
         bs = self.block_size
         allocated = self.pool.num_blocks - self.pool.num_free_blocks
         tokens_used = self._tokens_used()
         ranks = self.tensor_parallel_size
         rank_bytes = self.executor.rank_measured_bytes if self.executor is not None else [self.cache.measured_bytes]
-        predicted = self.kv_bytes.pool_bytes(self.num_blocks, bs)  # per rank
         stats = self.kv_manager.stats
+        kvb = self.kv_bytes
+        predicted = kvb.pages_bytes(self.num_blocks, bs)  # per rank
+        group_layers = max(len(g.layers) for g in self.kv_groups)
+        element_bytes = self.num_blocks * bs * (self.bytes_per_token // kvb.num_layers) * group_layers
         return KVLedger(
             num_blocks=self.num_blocks, block_size=bs, blocks_allocated=allocated,
             blocks_allocated_peak=self.blocks_allocated_peak, blocks_cached_free=self.pool.num_cached_free_blocks,
@@ -387,10 +429,35 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions, num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting), bytes_per_token=self.bytes_per_token * ranks,
             predicted_bytes=predicted * ranks, measured_bytes=sum(rank_bytes),
-            kv_cache_dtype=self.kv_cache_dtype, scale_bytes_per_token=self.kv_bytes.scale_bytes_per_token * ranks,
-            scale_bytes=(predicted - self.bytes_per_token * self.num_blocks * bs) * ranks,
+            kv_cache_dtype=self.kv_cache_dtype, scale_bytes_per_token=kvb.scale_bytes_per_token * ranks,
+            scale_bytes=(predicted - element_bytes) * ranks, bytes_per_block=kvb.page_bytes(bs),
             ranks=ranks, bytes_per_rank=rank_bytes[0], measured_bytes_by_rank=list(rank_bytes),
+            groups=self._group_ledgers(),
+            request_bytes={r.request_id: self.request_bytes(r.request_id) for r in self.scheduler.running},
         )
+
+    def _group_ledgers(self) -> list[KVGroupLedger]:
+        manager = self.kv_manager
+        if manager.hybrid:
+            held, used, peaks = manager.blocks_held(), manager.group_tokens_used(self.scheduler.running), \
+                manager.blocks_allocated_peak
+        else:
+            held = [self.pool.num_blocks - self.pool.num_free_blocks]
+            used, peaks = [self._tokens_used()], [self.blocks_allocated_peak]
+        return [KVGroupLedger(g.attention, list(g.layers), g.sliding_window, held[i], peaks[i], used[i])
+                for i, g in enumerate(self.kv_groups)]
+
+    def request_bytes(self, request_id: str) -> int:
+        """Bytes request ``request_id``'s token slots hold in the pool now: per group, the slots from
+        its first kept block to its computed tokens, times the group's paged layers (a block
+        pages ``group_layers`` layers), times one layer's bytes per token, scales included. For
+        a request of T computed tokens this equals ``kv_bytes(..., tokens=T, block_size=...).held_bytes``
+        less fixed scales."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return 0
+        per_slot = self.kv_bytes.page_bytes(self.block_size) // self.block_size
+        return per_slot * sum(self.kv_manager.request_token_slots(request))
 
     def _tokens_used(self) -> int:
         """Tokens with K/V in allocated blocks, a shared block counted once (see
@@ -398,17 +465,28 @@ class LLMEngine:
         return self.kv_manager.tokens_used(self.scheduler.running)
 
     def check_integrity(self) -> None:
-        """Assert the block pool is consistent with every request's block table, the running
-        requests are the ones holding blocks, and :meth:`_tokens_used` equals a walk over every
-        block of every table (each block filled as far as the most advanced of its holders)."""
+        """Assert the block pool is consistent with every request's block tables (every group), the
+        running requests are the ones holding blocks, a sliding group holds exactly its window's
+        blocks, and :meth:`_tokens_used` equals a walk over every block of every table (each
+        block filled as far as the most advanced of its holders)."""
+        from kvledger.engine.kv_cache_manager import NULL_BLOCK, first_live_block
+
         self.kv_manager.check_integrity()
         tables = self.kv_manager.block_tables
         assert set(tables) == {r.request_id for r in self.scheduler.running}, "block tables are not the running requests"
         bs = self.block_size
-        fill: dict[int, int] = {}
-        for rid, table in tables.items():
-            computed = self.requests[rid].num_computed_tokens
-            for i, block in enumerate(table):
-                fill[block] = max(fill.get(block, 0), min(bs, max(0, computed - i * bs)))
-        used, walked = self._tokens_used(), sum(fill.values())
+        walked = 0
+        for group, group_tables in zip(self.kv_groups, self.kv_manager.group_tables):
+            fill: dict[int, int] = {}
+            for rid, table in group_tables.items():
+                computed = self.requests[rid].num_computed_tokens
+                if group.sliding_window is not None:
+                    first = first_live_block(computed, group.sliding_window, bs)
+                    assert all(b == NULL_BLOCK for b in table[:first]) and NULL_BLOCK not in table[first:], \
+                        f"{rid}: the sliding group holds blocks outside its window: {table}"
+                for i, block in enumerate(table):
+                    if block != NULL_BLOCK:
+                        fill[block] = max(fill.get(block, 0), min(bs, max(0, computed - i * bs)))
+            walked += sum(fill.values())
+        used = self._tokens_used()
         assert used == walked, f"the ledger counts {used} tokens in use, the blocks hold {walked}"

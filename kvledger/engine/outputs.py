@@ -41,6 +41,21 @@ class RequestOutput:
 
 
 @dataclass
+class KVGroupLedger:
+    """One KV-cache group's share of the ledger: its ``attention`` type (``full_attention`` or
+    ``sliding_attention``), its model ``layers``, the ``sliding_window`` in tokens (None for full),
+    blocks its tables hold now and at most (``blocks_allocated``, ``blocks_allocated_peak``) and
+    the token slots with K/V in them (``tokens_used``, a shared block counted once)."""
+
+    attention: str
+    layers: list[int]
+    sliding_window: int | None
+    blocks_allocated: int
+    blocks_allocated_peak: int
+    tokens_used: int
+
+
+@dataclass
 class KVLedger:
     """Live numbers of the KV cache.
 
@@ -55,6 +70,13 @@ class KVLedger:
     ``measured_bytes`` of the real cache tensors, scales included. Under tensor parallelism
     (``ranks`` > 1) the byte fields are summed over the ranks, ``bytes_per_rank`` is one
     rank's measured cache bytes (rank 0's; ``measured_bytes_by_rank`` lists every rank's).
+
+    A model with several KV-cache groups (sliding and full layers) pages its pool in blocks of
+    one group's layers: ``bytes_per_block`` is such a block (``bytes_per_token * block_size`` for
+    a single group), ``predicted_bytes`` = ``bytes_per_block * num_blocks`` plus fixed scales,
+    and ``groups`` lists each group's blocks and tokens. ``request_bytes`` (request id -> bytes)
+    is what each running request's token slots hold, every group's layers counted: the measured
+    side of ``kv-bytes --tokens T``.
     """
 
     num_blocks: int
@@ -78,6 +100,9 @@ class KVLedger:
     ranks: int = 1
     bytes_per_rank: int = 0
     measured_bytes_by_rank: list[int] = field(default_factory=list)
+    bytes_per_block: int = 0
+    groups: list[KVGroupLedger] = field(default_factory=list)
+    request_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -106,9 +106,13 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def update(self, out: SchedulerOutput) -> None:
-        """Advance every scheduled request by the tokens the step computed."""
+        """Advance every scheduled request by the tokens the step computed; sliding-window groups
+        then give back the blocks that left their window."""
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+        if self.kv.hybrid:
+            for s in out.scheduled:
+                self.kv.free_out_of_window(s.request)
 
     def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """End a request (stopped, length, abort); its blocks return to the pool at once."""

@@ -15,6 +15,11 @@ first (:meth:`KVCache.write`), then attention runs:
 * a prefill chunk that starts at position 0: causal SDPA over its own fresh K/V;
 * a later chunk (chunked prefill, prefix-cache hit, recompute): SDPA over K/V gathered through
   its block table with a causal mask offset by the tokens already in the cache.
+
+Sliding-window layers (Gemma-3) get metadata of their own KV group: its block tables start at
+the first block the window reaches (``gather_start`` tokens in), and the masks also hide every
+key more than ``window - 1`` positions before its query (:meth:`PrefillChunk.windowed`,
+:meth:`DecodeGroup.window_mask`); nothing else changes.
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ class PrefillChunk:
     start: int
     end: int
     num_computed: int
-    block_table: torch.Tensor  # [1, blocks covering num_computed + (end - start) tokens]
-    mask: torch.Tensor | None  # [1, 1, n, ctx] bool when num_computed > 0
+    block_table: torch.Tensor  # [1, blocks covering num_computed + (end - start) tokens, from gather_start]
+    mask: torch.Tensor | None  # [1, 1, n, ctx] bool when num_computed > 0 (or a window cuts in)
+    gather_start: int = 0  # the position of the table's first slot (a whole number of blocks)
 
     @classmethod
     def causal(cls, start: int, n: int, num_computed: int, block_table: torch.Tensor) -> "PrefillChunk":
@@ -47,6 +53,21 @@ class PrefillChunk:
             q_pos = torch.arange(num_computed, ctx, device=block_table.device)[:, None]
             mask = (torch.arange(ctx, device=block_table.device)[None, :] <= q_pos).view(1, 1, n, ctx)
         return cls(start, start + n, num_computed, block_table, mask)
+
+    @classmethod
+    def windowed(cls, start: int, n: int, num_computed: int, block_table: torch.Tensor, window: int,
+                 gather_start: int) -> "PrefillChunk":
+        """As :meth:`causal`, each query also blind to keys ``window`` or more positions back (a
+        key ``j`` is seen by query ``i`` when ``i - window < j <= i``); ``block_table`` starts at
+        position ``gather_start``. No mask when plain causal attention already is that."""
+        ctx = num_computed + n
+        if num_computed == 0 and n <= window:
+            return cls(start, start + n, 0, block_table, None, 0)
+        device = block_table.device
+        q_pos = torch.arange(num_computed, ctx, device=device)[:, None]
+        k_pos = torch.arange(gather_start, ctx, device=device)[None, :]
+        mask = ((k_pos <= q_pos) & (k_pos > q_pos - window)).view(1, 1, n, ctx - gather_start)
+        return cls(start, start + n, num_computed, block_table, mask, gather_start)
 
 
 @dataclass
@@ -65,6 +86,15 @@ class DecodeGroup:
         """The additive mask ``[B, 1, 1, max_len]`` for contexts of ``lengths`` tokens ``[B]``."""
         past_end = torch.arange(max_len, device=lengths.device)[None, :] >= lengths[:, None]
         mask = torch.zeros(past_end.shape, dtype=dtype, device=lengths.device).masked_fill_(past_end, float("-inf"))
+        return mask.view(-1, 1, 1, max_len)
+
+    @staticmethod
+    def window_mask(firsts: torch.Tensor, lengths: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask ``[B, 1, 1, max_len]`` hiding, per row, the gathered slots before
+        ``firsts`` (keys out of the window) and from ``lengths`` on (past the context)."""
+        t = torch.arange(max_len, device=lengths.device)[None, :]
+        hidden = (t >= lengths[:, None]) | (t < firsts[:, None])
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=lengths.device).masked_fill_(hidden, float("-inf"))
         return mask.view(-1, 1, 1, max_len)
 
 
@@ -91,9 +121,10 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         if chunk.num_computed == 0 and not cache.read_back_fresh:
             kc = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
             vc = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                                               scale=scale, enable_gqa=gqa)
         else:  # earlier tokens are in the cache (or read_back_fresh asks for a read-back)
-            ctx = chunk.num_computed + chunk.end - chunk.start
+            ctx = chunk.num_computed + chunk.end - chunk.start - chunk.gather_start
             kc, vc = cache.gather(layer, chunk.block_table, ctx)
             o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, is_causal=chunk.mask is None,
                                                scale=scale, enable_gqa=gqa)

