@@ -60,12 +60,14 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 300) -> None:
 
 
 @contextlib.contextmanager
-def serving(cmd: list[str], url: str) -> Iterator[subprocess.Popen]:
-    """A server process started from ``cmd``, ready at ``url``, stopped on exit."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+def serving(cmd: list[str], url: str, env: dict[str, str] | None = None, timeout: float = 300,
+            log=subprocess.DEVNULL) -> Iterator[subprocess.Popen]:  # type: ignore[no-untyped-def]
+    """A server process started from ``cmd`` (with ``env`` added to the environment), ready at
+    ``url`` within ``timeout`` seconds, its output to ``log``, stopped on exit."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
     try:
-        wait_ready(proc, url)
+        wait_ready(proc, url, timeout)
         yield proc
     finally:
         proc.terminate()

@@ -9,6 +9,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # for every test: nothing may download from a model hub
 # short OpenMP spin-waits: the suite shares its cores (see kvledger/engine/__init__.py)
 os.environ.setdefault("GOMP_SPINCOUNT", "30000")
+# eager model steps unless a test asks for the compiled one (kvledger/engine/compile.py): most tests
+# run an engine for a few steps, where compiling would cost more than it saves
+os.environ.setdefault("KVLEDGER_ENFORCE_EAGER", "1")
 
 
 # ---- engine (tests/test_engine_*.py) ------------------------------------------------------------

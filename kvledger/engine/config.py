@@ -49,9 +49,9 @@ class EngineConfig:
     seed: int | None = 0
     tokenizer: str | None = None
     enforce_eager: bool = False
-    """vLLM's switch that keeps the model step out of ``torch.compile``. kvledger's step runs eagerly
-    whatever its value (there is no compiled path yet); it is accepted so that vLLM scripts and
-    command lines run unchanged, and will keep its meaning if a compiled step is added."""
+    """vLLM's switch that keeps the model step out of ``torch.compile``: True runs it eagerly. False
+    (the default) compiles it (:mod:`kvledger.engine.compile`) unless the environment has
+    ``KVLEDGER_ENFORCE_EAGER=1``."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -113,7 +113,7 @@ def add_engine_args(parser: Any) -> None:
                    help="share of the device's memory (of RAM on CPU) the engine may use; the KV pool gets it less "
                         "what is in use (default: the --kv-cache-memory defaults)")
     g.add_argument("--enforce-eager", action="store_true",
-                   help="never compile the model step (vLLM's flag; kvledger's step is eager today either way)")
+                   help="never compile the model step with torch.compile; run it eagerly (vLLM's flag)")
     g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None, metavar="N",
                    help="exact number of KV blocks (overrides --kv-cache-memory)")
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from kvledger.engine.block_pool import BlockPool
+from kvledger.engine.compile import compile_enabled
 from kvledger.engine.config import CPU_KV_CACHE_MAX, CPU_KV_CACHE_SHARE, GPU_MEMORY_UTILIZATION, EngineConfig
 from kvledger.engine.kv_cache_manager import KVCacheManager
 from kvledger.engine.model_runner import ModelRunner
@@ -135,7 +136,7 @@ class LLMEngine:
         self.model.set_rope(self.max_model_len)
         self.kv_manager = KVCacheManager(self.pool, bs)
         self.scheduler = Scheduler(config, self.kv_manager)
-        self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.runner = ModelRunner(self.model, self.cache, self.device, compiled=compile_enabled(config.enforce_eager))
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
         self.blocks_allocated_peak = 0

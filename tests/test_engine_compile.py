@@ -1,0 +1,63 @@
+"""The compiled model step (``torch.compile``, kvledger/engine/compile.py): greedy tokens identical to
+transformers' in float32, no recompiles across decode steps, and ``enforce_eager`` turning it off.
+
+The rest of the suite runs eagerly (conftest sets ``KVLEDGER_ENFORCE_EAGER=1``); these tests clear
+that for the engines they build.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvledger.engine.compile import EAGER_ENV
+from tests.engine_reference import NEW_TOKENS
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = (3, 13)  # indices into the reference prompts: 10 and 46 tokens (46 > the 32-token chunk budget)
+
+
+@pytest.fixture(scope="module")
+def compiled_llm():
+    from kvledger import LLM
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(EAGER_ENV, "0")
+        llm = LLM(model="smollm2-135m", dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=32)
+    assert llm.llm_engine.runner.step.compiled
+    return llm
+
+
+def test_compiled_step_token_identical_to_transformers(compiled_llm, engine_reference):
+    """Two prompts in one batch (a chunked prefill beside decodes, then batch-2 decodes), compiled;
+    the decode steps after the first reuse its graph (no recompile)."""
+    import torch._dynamo.utils
+
+    from kvledger import SamplingParams
+
+    prompts = [engine_reference.prompts[i] for i in PROMPTS]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    engine = compiled_llm.llm_engine
+    for i, prompt in zip(PROMPTS, prompts):
+        engine.add_request(f"c{i}", prompt, params)
+    tokens: dict[str, list[int]] = {f"c{i}": [] for i in PROMPTS}
+    frames: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        frames.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert engine.runner.step.compiled, "compilation failed and the step fell back to eager"
+    for i in PROMPTS:
+        assert tokens[f"c{i}"] == engine_reference.outputs[i], f"prompt {i} differs from transformers"
+    # the last NEW_TOKENS - 2 steps are batch-2 decodes: none of them compiled a new graph
+    assert frames[-1] == frames[-(NEW_TOKENS - 2)], f"graphs compiled per step: {frames}"
+
+
+def test_enforce_eager_turns_compilation_off(monkeypatch):
+    from kvledger.engine.compile import compile_enabled
+
+    monkeypatch.setenv(EAGER_ENV, "0")
+    assert compile_enabled(enforce_eager=False)
+    assert not compile_enabled(enforce_eager=True)
+    monkeypatch.setenv(EAGER_ENV, "1")
+    assert not compile_enabled(enforce_eager=False)
