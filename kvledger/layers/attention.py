@@ -26,6 +26,7 @@ around each forward pass (vLLM's "forward context").
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -93,18 +94,25 @@ class _Step:
     next_layer: int = 0  # the layer the compiled operator's next call is for
 
 
-_STEPS: list[_Step] = []  # the step in progress (innermost last)
+class _Steps(threading.local):
+    """The steps in progress on this thread (innermost last): engines may step on several threads."""
+
+    def __init__(self) -> None:
+        self.stack: list[_Step] = []
+
+
+_STEPS = _Steps()
 
 
 @contextmanager
 def attention_step(meta: AttentionMetadata, cache: KVCache) -> Iterator[None]:
     """Make ``meta`` and ``cache`` the ones the compiled attention operator reads during one
     forward pass over the layers (in order: its ``i``-th call is layer ``i``)."""
-    _STEPS.append(_Step(meta, cache))
+    _STEPS.stack.append(_Step(meta, cache))
     try:
         yield
     finally:
-        _STEPS.pop()
+        _STEPS.stack.pop()
 
 
 @torch.library.custom_op("kvledger::paged_attention", mutates_args=())
@@ -112,7 +120,7 @@ def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     """:func:`paged_attention` of the step set by :func:`attention_step`, for its next layer. The
     layer index is not an argument so that one compiled graph serves every layer; the cache it
     writes is outside the compiled graph, so no argument is declared mutated."""
-    step = _STEPS[-1]
+    step = _STEPS.stack[-1]
     layer, step.next_layer = step.next_layer, step.next_layer + 1
     return _paged_attention(layer, q, k, v, step.meta, step.cache, scale)
 
