@@ -17,12 +17,24 @@ Rows, float32 and bfloat16:
 * prefill of 512 tokens: one ``generate`` of a fresh 512-token prompt with ``max_tokens=1``
   (time to the first token), median over rounds.
 
+llama.cpp (the peer of ``../shared/peers/llama-cpp``, F32 GGUF of the same weights, 2 threads),
+when installed, adds its float32 rows from ``llama-bench``: the decode step at a 512-token
+context (``-n 32 -d 512``, time per generated token) and the prefill of 512 tokens (``-p 512``).
+
+Servers (``--servers``, float32): ``kvledger serve``, ``vllm serve`` and, when installed,
+llama.cpp's ``llama-server`` (16 slots) one after the other on loopback, each with a 2 GiB KV
+cache (llama-server: as many f16 K/V tokens as fit in 2 GiB), under the same ``kvledger bench
+serve`` client: 64 Azure-conv requests, lengths / 4, token-id prompts, all sent at once, greedy,
+``ignore_eos``; each server first gets a short warm-up run (kvledger compiles its step there, as
+vLLM does before it listens). Printed: output tok/s, TTFT and TPOT p50/p99, with the ratios.
+
 The ceilings are measured at the start and the end, the better of each kept: matmul FLOP/s per
 dtype with the best kernel available (``torch.matmul`` and oneDNN prepacked,
 ``ceilings.matmul_kernels``) and read bandwidth. The greedy tokens of the workload's first 8
 requests are compared between the engines in float32 and the result printed.
 
-    .venv/bin/python bench/bench_vs_vllm.py [--peer PREFIX] [--rounds 3] [--requests 64]
+    .venv/bin/python bench/bench_vs_vllm.py [--peer PREFIX] [--llama-cpp PREFIX] [--rounds 3]
+        [--requests 64] [--servers]
 
 Without the peer installed it prints how to install it and exits 0.
 """
@@ -57,6 +69,12 @@ THREADS = 2
 KV_CACHE_GIB = 2
 DEFAULT_PEER = Path.home() / ".cache" / "kvledger-peers" / "vllm"
 INSTALL_SCRIPT = ROOT.parent / "shared" / "peers" / "vllm-cpu" / "install.sh"
+DEFAULT_LLAMA_CPP = Path.home() / ".cache" / "kvledger-peers" / "llama-cpp"
+LLAMA_CPP_INSTALL = ROOT.parent / "shared" / "peers" / "llama-cpp" / "install.sh"
+VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}
+SERVER_MAX_MODEL_LEN = 8192
+SERVER_SLOTS = 16  # llama-server's parallel sequences
 DTYPES = ("float32", "bfloat16")
 CONTEXT = 512
 DECODE_TOKENS = 32
@@ -69,8 +87,7 @@ class VllmPeer:
     """vLLM's ``LLM`` in the peer's venv, one ``generate`` per JSON line (``bench/vllm_peer.py``)."""
 
     def __init__(self, prefix: Path, dtype: str, max_model_len: int, log: Path) -> None:
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-               "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}
+        env = {**os.environ, **VLLM_ENV}
         env.pop("GOMP_SPINCOUNT", None)  # kvledger's setting, not the peer's
         command = (f"source {shlex.quote(str(prefix / 'env.sh'))} && exec {shlex.quote(str(prefix / 'venv/bin/python'))} "
                    f"{shlex.quote(str(HERE / 'vllm_peer.py'))} {shlex.quote(str(prefix / 'smollm2-hf'))} {dtype} "
@@ -135,6 +152,78 @@ def prefill(generate: Generate, rng: random.Random) -> float:
     return seconds
 
 
+def _sourced(prefix: Path, command: str) -> list[str]:
+    """``command`` run by bash after sourcing the peer's ``env.sh``."""
+    return ["bash", "-c", f"source {shlex.quote(str(prefix / 'env.sh'))} && exec {command}"]
+
+
+def llamacpp_installed(prefix: Path) -> bool:
+    return (prefix / "env.sh").is_file() and (prefix / "smollm2-f32.gguf").is_file()
+
+
+def llamacpp_bench(prefix: Path, rounds: int) -> dict[str, float]:
+    """llama-bench (F32, 2 threads): ms per decode step at a ``CONTEXT``-token context and ms to
+    prefill ``CONTEXT`` tokens, each the mean of ``rounds`` repetitions."""
+    model = shlex.quote(str(prefix / "smollm2-f32.gguf"))
+    out = {}
+    for key, flags in (("decode", f"-p 0 -n {DECODE_TOKENS} -d {CONTEXT}"), ("prefill", f"-p {CONTEXT} -n 0")):
+        run = subprocess.run(_sourced(prefix, f"llama-bench -m {model} -t {THREADS} {flags} -r {rounds} -o json"),
+                             capture_output=True, text=True, check=True)
+        (test,) = json.loads(run.stdout)
+        tokens = test["n_gen"] or test["n_prompt"]
+        out[key] = test["avg_ns"] / 1e6 / (tokens if key == "decode" else 1)
+    return out
+
+
+def server_commands(args: argparse.Namespace, port: int) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """Each server's command line and added environment, listening on ``port`` (float32, 2 GiB of KV)."""
+    commands = {
+        "kvledger": ([str(Path(sys.executable).parent / "kvledger"), "serve", "--port", str(port), "--dtype", "float32",
+                      "--kv-cache-memory", f"{KV_CACHE_GIB}GiB", "--max-model-len", str(SERVER_MAX_MODEL_LEN)],
+                     {"OMP_NUM_THREADS": str(THREADS)}),
+        "vLLM": (_sourced(args.peer, f"{shlex.quote(str(args.peer / 'venv/bin/vllm'))} serve "
+                                     f"{shlex.quote(str(args.peer / 'smollm2-hf'))} --dtype float32 --seed 0 "
+                                     f"--max-model-len {SERVER_MAX_MODEL_LEN} --host 127.0.0.1 --port {port}"), VLLM_ENV),
+    }
+    if llamacpp_installed(args.llama_cpp):
+        from kvledger.spec import ModelSpec, kv_bytes
+        from kvledger.loader.resolve import converted_dir, resolve_model
+        from kvledger.loader.safetensors import read_config
+
+        spec = ModelSpec.from_config_dict({**read_config(converted_dir(resolve_model(None))), "torch_dtype": "float16"})
+        tokens = KV_CACHE_GIB * 1024**3 // kv_bytes(spec, "float16").bytes_per_token  # its default K/V type is f16
+        commands["llama.cpp"] = (_sourced(args.llama_cpp, f"llama-server -m {shlex.quote(str(args.llama_cpp / 'smollm2-f32.gguf'))} "
+                                                          f"-t {THREADS} --parallel {SERVER_SLOTS} -c {tokens} "
+                                                          f"--host 127.0.0.1 --port {port}"), {})
+    return commands
+
+
+def server_rows(args: argparse.Namespace, vocab_size: int) -> dict[str, dict[str, float]]:
+    """Each server's output tok/s and TTFT/TPOT p50/p99 (ms) under ``kvledger bench serve``."""
+    import asyncio
+
+    from bench_serve import free_port, serving
+    from kvledger.bench.serve import BenchConfig, run_benchmark
+
+    results = {}
+    for name, (cmd, env) in server_commands(args, port := free_port()).items():
+        url = f"http://127.0.0.1:{port}"
+
+        def config(n: int) -> BenchConfig:
+            return BenchConfig(base_url=url, trace=str(args.trace), num_prompts=n, length_scale=0.25, seed=0,
+                               vocab_size=vocab_size, ignore_eos=True, max_model_len=SERVER_MAX_MODEL_LEN)
+
+        print(f"\nserver: {name} (log: {args.log}.{name})", flush=True)
+        with serving(cmd, url, log=Path(f"{args.log}.{name}"), env=env, ready_s=900):
+            asyncio.run(run_benchmark(config(8)))  # warm-up: kvledger compiles its step shapes here
+            m, _ = asyncio.run(run_benchmark(config(args.requests)))
+        assert m.failed == 0, f"{name}: {m.failed} requests failed"
+        results[name] = {"tok/s": m.output_throughput, "output tokens": m.total_output,
+                         **{f"{k.upper()} {p} (ms)": m.stats_ms[k][p] for k in ("ttft", "tpot") for p in ("p50", "p99")}}
+        print("  " + ", ".join(f"{k} {v:.1f}" for k, v in results[name].items()), flush=True)
+    return results
+
+
 def ceilings() -> dict[str, float]:
     """Best matmul FLOP/s per dtype (over the available kernels) and read bandwidth (bytes/s)."""
     out = {}
@@ -148,6 +237,11 @@ def ceilings() -> dict[str, float]:
     return out
 
 
+def _speed(ours: float, theirs: float, unit: str) -> float:
+    """kvledger's speed over the peer's: a rate's ratio, or the inverse ratio of times."""
+    return ours / theirs if unit == "tok/s" else theirs / ours
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peer", type=Path, default=Path(os.environ.get("KVLEDGER_VLLM_PEER", DEFAULT_PEER)),
@@ -155,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the decode and prefill rows")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    parser.add_argument("--llama-cpp", type=Path, default=Path(os.environ.get("KVLEDGER_LLAMA_CPP_PEER", DEFAULT_LLAMA_CPP)),
+                        help=f"the llama.cpp peer's install prefix (default {DEFAULT_LLAMA_CPP}); its rows are "
+                             "skipped when it is not installed")
+    parser.add_argument("--servers", action="store_true", help="also run the three servers under kvledger bench serve")
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "bench_vs_vllm.vllm.log",
                         help="vLLM's output goes here (default: in the temporary directory)")
@@ -163,12 +261,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"The vLLM peer is not installed at {args.peer}. Install it (about 1.5 GB, a few minutes, outside the "
               f"repository) with:\n    bash {INSTALL_SCRIPT} {args.peer}\nthen run this again (or pass --peer PREFIX).")
         return 0
+    has_llamacpp = llamacpp_installed(args.llama_cpp)
+    if not has_llamacpp:
+        print(f"llama.cpp is not installed at {args.llama_cpp}: its rows are skipped. Install it (about 10 minutes) "
+              f"with:\n    bash {LLAMA_CPP_INSTALL} {args.llama_cpp}")
     torch.set_num_threads(THREADS)
     start_ceilings = ceilings()
     from kvledger import LLM
 
     rng = random.Random(7)
-    rows: list[tuple[str, float, float, str]] = []  # (measurement, kvledger, vLLM, unit) ; unit "tok/s" or "ms"
+    rows: list[tuple[str, float, float, str, float | None]] = []  # (measurement, kvledger, vLLM, unit, llama.cpp)
     identity = ""
     for dtype in args.dtypes:
         llm = LLM(model="smollm2-135m", dtype=dtype, kv_cache_memory=f"{KV_CACHE_GIB}GiB")
@@ -203,11 +305,14 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             peer.close()
         kv, vl = times["kvledger"], times["vLLM"]
-        rows.append((f"{dtype}: useful output tok/s", useful / kv["run"][0], useful / vl["run"][0], "tok/s"))
+        lc = llamacpp_bench(args.llama_cpp, args.rounds) if has_llamacpp and dtype == "float32" else {}
+        if lc:
+            print(f"  llama.cpp (llama-bench F32): decode {lc['decode']:.1f} ms, prefill {lc['prefill']:.0f} ms", flush=True)
+        rows.append((f"{dtype}: useful output tok/s", useful / kv["run"][0], useful / vl["run"][0], "tok/s", None))
         rows.append((f"{dtype}: batch-1 decode step at a {CONTEXT}-token context", statistics.median(kv["decode"]) * 1e3,
-                     statistics.median(vl["decode"]) * 1e3, "ms"))
+                     statistics.median(vl["decode"]) * 1e3, "ms", lc.get("decode")))
         rows.append((f"{dtype}: prefill of {CONTEXT} tokens", statistics.median(kv["prefill"]) * 1e3,
-                     statistics.median(vl["prefill"]) * 1e3, "ms"))
+                     statistics.median(vl["prefill"]) * 1e3, "ms", lc.get("prefill")))
         print(f"  workload: {len(workload)} requests, {sum(map(len, prompts))} prompt + {useful} output tokens; "
               f"kvledger {kv['run'][0]:.1f} s, vLLM {vl['run'][0]:.1f} s", flush=True)
         if dtype == "float32":
@@ -215,14 +320,30 @@ def main(argv: list[str] | None = None) -> int:
             identity = ("greedy tokens of the first 8 requests, float32: identical to vLLM's" if not first else
                         f"greedy tokens of the first 8 requests, float32: requests {first} differ from vLLM's")
             print("  " + identity, flush=True)
+        vocab_size = config["vocab_size"]
         del llm
+    servers = server_rows(args, vocab_size) if args.servers else {}
     end_ceilings = ceilings()
 
-    print("\n| measurement | kvledger | vLLM | kvledger speed over vLLM's |\n|---|---|---|---|")
-    for name, ours, theirs, unit in rows:
-        ratio = ours / theirs if unit == "tok/s" else theirs / ours
+    print("\n| measurement | kvledger | vLLM | kvledger speed over vLLM's | llama.cpp | kvledger speed over llama.cpp's |"
+          "\n|---|---|---|---|---|---|")
+    for name, ours, theirs, unit, llama in rows:
         fmt = "{:.1f}" if unit != "ms" or ours < 100 else "{:.0f}"
-        print(f"| {name} | {fmt.format(ours)} {unit} | {fmt.format(theirs)} {unit} | {ratio:.2f}x |")
+        lc = (f"{fmt.format(llama)} {unit} | {_speed(ours, llama, unit):.2f}x" if llama else "- | -")
+        print(f"| {name} | {fmt.format(ours)} {unit} | {fmt.format(theirs)} {unit} | {_speed(ours, theirs, unit):.2f}x "
+              f"| {lc} |")
+    if servers:
+        names = list(servers)
+        print(f"\nservers (float32, {args.requests} requests at once, ignore_eos, kvledger bench serve):\n")
+        print("| measurement | " + " | ".join(names) + " | " + " | ".join(f"kvledger over {n}" for n in names[1:]) +
+              " |\n|" + "---|" * (2 * len(names)))
+        for key in servers["kvledger"]:
+            unit = "tok/s" if key == "tok/s" else "ms"
+            values = [servers[n][key] for n in names]
+            ratios = [f"{_speed(values[0], v, unit):.2f}x" if key != "output tokens" else "" for v in values[1:]]
+            print(f"| {'output throughput (tok/s)' if key == 'tok/s' else key} | " +
+                  " | ".join(f"{v:.1f}" if key != "output tokens" else f"{v:.0f}" for v in values) + " | " +
+                  " | ".join(ratios) + " |")
     if identity:
         print(f"\n{identity}")
     print(f"\nceilings ({THREADS} threads), start / end:")

@@ -52,9 +52,9 @@ class EngineConfig:
     """Ranks the model is split over (processes, one torch.distributed group; see
     :mod:`kvledger.distributed`). Each rank holds ``max(1, H_kv / N)`` KV heads and its own cache."""
     enforce_eager: bool = False
-    """vLLM's switch that keeps the model step out of ``torch.compile``. kvledger's step runs eagerly
-    whatever its value (there is no compiled path yet); it is accepted so that vLLM scripts and
-    command lines run unchanged, and will keep its meaning if a compiled step is added."""
+    """vLLM's switch that keeps the model step out of ``torch.compile``: True always runs it eagerly.
+    False compiles it only where the environment asks for it with ``KVLEDGER_COMPILE=1``
+    (:mod:`kvledger.engine.compile`; not the default until a benchmark shows it pays)."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
@@ -117,7 +117,7 @@ def add_engine_args(parser: Any) -> None:
                    help="share of the device's memory (of RAM on CPU) the engine may use; the KV pool gets it less "
                         "what is in use (default: the --kv-cache-memory defaults)")
     g.add_argument("--enforce-eager", action="store_true",
-                   help="never compile the model step (vLLM's flag; kvledger's step is eager today either way)")
+                   help="never compile the model step with torch.compile; run it eagerly (vLLM's flag)")
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
                    help="split the model over N ranks (processes; gloo on CPU, NCCL on CUDA), each with 1/N of the "
                         "heads and its own KV cache (default 1)")

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from kvledger.engine.block_pool import BlockPool
+from kvledger.engine.compile import compile_enabled
 from kvledger.engine.config import CPU_KV_CACHE_MAX, CPU_KV_CACHE_SHARE, GPU_MEMORY_UTILIZATION, EngineConfig
 from kvledger.engine.kv_cache_manager import FULL_ATTENTION, KVCacheGroup, KVCacheManager
 from kvledger.engine.model_runner import ModelRunner
@@ -157,7 +158,9 @@ class LLMEngine:
             self.cache = make_kv_cache(self.kv_cache_dtype, cache_layers, num_blocks, bs, self.spec.num_kv_heads,
                                        self.spec.head_dim, self.dtype, self.device)
             self.model.set_rope(self.max_model_len)
-            self.runner: ModelRunner | Any = ModelRunner(self.model, self.cache, self.device, self.kv_groups)
+            # the compiled step serves the Llama family (its attention operator counts layers in order)
+            compiled = compile_enabled(config.enforce_eager) and model_class is LlamaForCausalLM
+            self.runner: ModelRunner | Any = ModelRunner(self.model, self.cache, self.device, self.kv_groups, compiled)
         else:  # every rank allocates its own heads' cache; the pool's blocks are the minimum over ranks
             from kvledger.distributed.executor import CacheSpec
 

@@ -16,6 +16,7 @@ from typing import Sequence
 
 from kvledger.engine.block_pool import blocks_for
 from kvledger.engine.kv_cache_manager import KVCacheGroup, first_live_block
+from kvledger.engine.compile import ModelStep
 from kvledger.engine.scheduler import SchedulerOutput, ScheduledRequest
 from kvledger.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from kvledger.layers.paged_kv import KVCache
@@ -24,8 +25,9 @@ from kvledger.models.llama import LlamaForCausalLM
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, device: torch.device,
-                 groups: Sequence[KVCacheGroup] | None = None) -> None:
+                 groups: Sequence[KVCacheGroup] | None = None, compiled: bool = False) -> None:
         self.model = model
+        self.step = ModelStep(model, compiled)  # the forward, compiled or eager (kvledger.engine.compile)
         self.cache = cache
         self.block_size = cache.block_size
         self.device = device
@@ -86,7 +88,7 @@ class ModelRunner:
                                                                window, first * bs))
                 offset += n
             metas.append(meta)
-        logits = self.model(self._tensor(input_ids), positions, metas[0] if len(metas) == 1 else metas, self.cache,
+        logits = self.step(self._tensor(input_ids), positions, metas[0] if len(metas) == 1 else metas, self.cache,
                             self._tensor(logits_indices))
         self.last_logits = logits
         return samplers, logits
@@ -99,6 +101,9 @@ class ModelRunner:
         lies in ``blocks[block_offsets[i] + p // block_size]``, at offset ``p % block_size``."""
         bs = self.block_size
         num_tokens = sum(counts)
+        if num_tokens == len(counts):  # decodes only: one token each, two lists in Python beat ten tensor ops
+            slots = [blocks[o + p // bs] * bs + p % bs for o, p in zip(block_offsets, starts)]
+            return self._tensor(starts), self._tensor(slots)
         counts_t = torch.tensor(counts)
         request = torch.repeat_interleave(torch.arange(len(counts)), counts_t, output_size=num_tokens)  # per token
         first_index = torch.cumsum(counts_t, 0) - counts_t  # flat index of each request's first token

@@ -20,11 +20,21 @@ Sliding-window layers (Gemma-3) get metadata of their own KV group: its block ta
 the first block the window reaches (``gather_start`` tokens in), and the masks also hide every
 key more than ``window - 1`` positions before its query (:meth:`PrefillChunk.windowed`,
 :meth:`DecodeGroup.window_mask`); nothing else changes.
+
+Under ``torch.compile`` (:mod:`kvledger.engine.compile`) all of this is one opaque operator,
+``torch.ops.kvledger.paged_attention(q, k, v, scale)``: the compiler fuses the dense work
+around it and never looks inside, so a step's metadata (its groups, lengths, block tables)
+never becomes part of a compiled graph or of its guards. The operator reads the step's
+metadata, cache and current layer from :func:`attention_step`, which the model runner sets
+around each forward pass (vLLM's "forward context").
 """
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -107,12 +117,62 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
+@dataclass
+class _Step:
+    meta: AttentionMetadata
+    cache: KVCache
+    next_layer: int = 0  # the layer the compiled operator's next call is for
+
+
+class _Steps(threading.local):
+    """The steps in progress on this thread (innermost last): engines may step on several threads."""
+
+    def __init__(self) -> None:
+        self.stack: list[_Step] = []
+
+
+_STEPS = _Steps()
+
+
+@contextmanager
+def attention_step(meta: AttentionMetadata, cache: KVCache) -> Iterator[None]:
+    """Make ``meta`` and ``cache`` the ones the compiled attention operator reads during one
+    forward pass over the layers (in order: its ``i``-th call is layer ``i``)."""
+    _STEPS.stack.append(_Step(meta, cache))
+    try:
+        yield
+    finally:
+        _STEPS.stack.pop()
+
+
+@torch.library.custom_op("kvledger::paged_attention", mutates_args=())
+def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`paged_attention` of the step set by :func:`attention_step`, for its next layer. The
+    layer index is not an argument so that one compiled graph serves every layer; the cache it
+    writes is outside the compiled graph, so no argument is declared mutated."""
+    step = _STEPS.stack[-1]
+    layer, step.next_layer = step.next_layer, step.next_layer + 1
+    return _paged_attention(layer, q, k, v, step.meta, step.cache, scale)
+
+
+@_paged_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
 def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     meta: AttentionMetadata, cache: KVCache, scale: float) -> torch.Tensor:
     """Attention output ``[N, H, d]`` for queries ``q`` ``[N, H, d]`` and new ``k``/``v`` ``[N, H_kv, d]``."""
+    if torch.compiler.is_compiling():  # the step's meta, cache and layer come from attention_step
+        return torch.ops.kvledger.paged_attention(q, k, v, scale)
+    return _paged_attention(layer, q, k, v, meta, cache, scale)
+
+
+def _paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     meta: AttentionMetadata, cache: KVCache, scale: float) -> torch.Tensor:
     cache.write(layer, k, v, meta.slot_mapping)
     gqa = q.shape[1] != k.shape[1]
-    out = torch.empty_like(q)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     for group in meta.decodes:
         kv = cache.gather_decode(layer, group.block_tables, group.max_len)
         out[group.start:group.end] = decode_attention(q[group.start:group.end], kv, group.mask, scale)
