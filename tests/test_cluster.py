@@ -3,23 +3,26 @@ OpenAI endpoint: the official client streamed and not, completions and chat; the
 requests sharing a few long prefixes, under the prefix-affinity router and under Ray Serve's
 default, the hit rates read from the fleet's ``/metrics``.
 
-The pool is sized so that one replica holds half the prefixes but not all of them: routed by
-affinity each replica keeps its half cached; spread by the default router each replica sees
-every prefix, and the interleaved order evicts each before it comes back.
+The pool is sized so that one replica holds half the prefixes and no more: routed by affinity
+each replica keeps its half cached; spread by the default router each replica sees every prefix,
+and the interleaved order evicts most before they come back. The requests go one at a time, so
+that which replica holds what depends on the router alone (two concurrent requests for a new
+prefix would both compute it, and the copy would evict another). Routed at random, the default's
+hit rate reaches 1/1.5 of affinity's in fewer than 1 run in 3,000 (a Monte Carlo of this order and
+pool, with one more prefix's room than the pool has).
 """
 
 from __future__ import annotations
 
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
-PREFIXES, PREFIX_TOKENS, REQUESTS = 8, 256, 32
-BLOCKS = 76  # per replica: its half (4 prefixes x 16 blocks) and the requests in flight fit, 5 prefixes do not
+PREFIXES, PREFIX_TOKENS, REQUESTS = 16, 128, 96
+BLOCKS = 65  # per replica: its half of the prefixes (8 x 8 blocks) and the own block of the one request in flight
 ENGINE = dict(model="smollm2-135m", dtype="float32", num_gpu_blocks_override=BLOCKS, max_num_batched_tokens=512,
               max_model_len=512, max_num_seqs=8)
 
@@ -96,12 +99,12 @@ def _hit_rate(url: str) -> tuple[float, dict[tuple[str, str], float]]:
                                                       "temperature": 0}, timeout=120)
         return r.status_code
 
-    with ThreadPoolExecutor(4) as pool:
-        assert set(pool.map(send, prompts)) == {200}
+    assert {send(p) for p in prompts} == {200}  # one at a time: the hit rate is the router's, not the race's
+    queried = sum(len(p) for p in prompts)  # tokens: each prompt is looked up once (nothing is preempted)
     after = _wait_published(url, 2, lambda m, names: all(
         m[("kvledger:num_requests_running", r)] == 0 and m[("kvledger:kv_blocks_allocated", r)] == 0 for r in names)
-        and m[("kvledger:prefix_cache_queries_total", "fleet")] > before.get(("kvledger:prefix_cache_queries_total",
-                                                                              "fleet"), 0))
+        and m[("kvledger:prefix_cache_queries_total", "fleet")]
+        - before.get(("kvledger:prefix_cache_queries_total", "fleet"), 0) >= queried)  # published after the last
     hits = after[("kvledger:prefix_cache_hits_total", "fleet")] - before.get(("kvledger:prefix_cache_hits_total", "fleet"), 0)
     queries = (after[("kvledger:prefix_cache_queries_total", "fleet")]
                - before.get(("kvledger:prefix_cache_queries_total", "fleet"), 0))

@@ -144,15 +144,10 @@ class EngineReplica:
             time.sleep(PUBLISH_PERIOD_S)
 
     def ledger(self) -> dict[str, Any]:
-        """This replica's KV ledger (blocks, prefix-cache counters, bytes) as a dict."""
-        from dataclasses import asdict
-
-        return {"replica": self.name, **asdict(self.engine.ledger())}
-
-    def record_routing_stats(self) -> dict[str, Any]:
-        """What the request router reads: running + waiting requests, free blocks."""
-        s = self.engine.scheduler
-        return {"load": len(s.running) + len(s.waiting), "free_blocks": self.engine.pool.num_free_blocks}
+        """This replica's KV ledger (blocks, prefix-cache counters, bytes) as a dict: the one taken
+        after the engine's latest step, the state its ``/metrics`` text shows (a ledger computed here,
+        on another thread than the engine's, could catch a step half-way)."""
+        return {"replica": self.name, **self.app.state.aengine.snapshot()}
 
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose engine stopped (a TP rank died) is restarted."""

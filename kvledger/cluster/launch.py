@@ -14,8 +14,6 @@ from kvledger.errors import KVLedgerError
 
 ROUTERS = ("prefix-affinity", "default")
 APP_NAME = "kvledger"
-ROUTING_STATS_PERIOD_S = 1.0
-"""Seconds between the replicas' load reports to the router."""
 _board: Any = None
 
 
@@ -57,10 +55,8 @@ def deploy(engine_kwargs: dict[str, Any], app_kwargs: dict[str, Any], num_replic
     if _board is None:
         _board = ray.remote(num_cpus=0)(MetricsBoard).options(name=BOARD_NAME, namespace=NAMESPACE).remote()
     board = _board
-    routing = (RequestRouterConfig(request_router_class=PrefixAffinityRouter,
-                                   request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
-               if router == "prefix-affinity" else
-               RequestRouterConfig(request_routing_stats_period_s=ROUTING_STATS_PERIOD_S))
+    routing = (RequestRouterConfig(request_router_class=PrefixAffinityRouter) if router == "prefix-affinity"
+               else RequestRouterConfig())
     max_ongoing = int(engine_kwargs.get("max_num_seqs", 256)) + int(app_kwargs.get("max_waiting") or 0) + 64
     replicas = serve.deployment(EngineReplica, name="engine", num_replicas=num_replicas,
                                 ray_actor_options={"num_cpus": cpus_per_replica}, max_ongoing_requests=max_ongoing,

@@ -8,8 +8,9 @@ the call; this router remembers, per replica, the hashes it sent there (the newe
 itself is the simulator's (:func:`kvledger.sim.routers.affinity_pick`): longest run among the
 replicas whose load is within ``AFFINITY_LOAD_FACTOR`` x the least + ``AFFINITY_LOAD_SLACK``,
 then the lighter load; with no run anywhere, the replica it has sent the fewest remembered blocks
-(new prefixes spread evenly). Load is the replica's running + waiting requests as it last reported them
-(``record_routing_stats``) plus the requests sent to it since. A call without hashes (``/metrics``,
+(new prefixes spread evenly). Load is the requests this router sent to the replica that have not
+completed (Ray Serve's ``on_request_routed`` and ``on_request_completed`` hooks): exact, where a
+replica's periodic report would be up to a period stale. A call without hashes (``/metrics``,
 ``/v1/models``) goes to the least-loaded replica.
 """
 
@@ -32,16 +33,10 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, memory_blocks: int = DEFAULT_MEMORY_BLOCKS, **kwargs: Any) -> None:
         self.memory_blocks = memory_blocks
         self._seen: dict[ReplicaID, OrderedDict[bytes, None]] = {}
-        self._sent_since_stats: dict[ReplicaID, int] = {}
-        self._stats_load: dict[ReplicaID, int] = {}
+        self._in_flight: dict[ReplicaID, set[str]] = {}  # internal request ids routed, not completed
 
     def _load(self, replica: RunningReplica) -> int:
-        stats = replica.routing_stats or {}
-        reported = int(stats.get("load", 0))
-        if self._stats_load.get(replica.replica_id) != reported:  # a fresh report counts what was sent
-            self._stats_load[replica.replica_id] = reported
-            self._sent_since_stats[replica.replica_id] = 0
-        return reported + self._sent_since_stats.get(replica.replica_id, 0)
+        return len(self._in_flight.get(replica.replica_id, ()))
 
     def _run(self, replica_id: ReplicaID, hashes: list[bytes]) -> int:
         seen = self._seen.get(replica_id, {})
@@ -66,7 +61,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         return [[candidate_replicas[best]]] + [[candidate_replicas[i]] for i in rest]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self._sent_since_stats[replica_id] = self._sent_since_stats.get(replica_id, 0) + 1
+        self._in_flight.setdefault(replica_id, set()).add(pending_request.metadata.internal_request_id)
         hashes = pending_request.kwargs.get("block_hashes") or []
         seen = self._seen.setdefault(replica_id, OrderedDict())
         for h in hashes:
@@ -74,3 +69,6 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             seen.move_to_end(h)
         while len(seen) > self.memory_blocks:
             seen.popitem(last=False)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._in_flight.get(replica_id, set()).discard(internal_request_id)  # also called for rejected ones
