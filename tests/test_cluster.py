@@ -95,7 +95,7 @@ def _hit_rate(url: str) -> tuple[float, dict[tuple[str, str], float]]:
     prompts = shared_prefix_workload(PREFIXES, PREFIX_TOKENS, REQUESTS).prompts
 
     def send(prompt: list[int]) -> int:
-        r = httpx.post(url + "/v1/completions", json={"model": "smollm2-135m", "prompt": prompt, "max_tokens": 2,
+        r = httpx.post(url + "/v1/completions", json={"model": "smollm2-135m", "prompt": prompt, "max_tokens": 1,
                                                       "temperature": 0}, timeout=120)
         return r.status_code
 

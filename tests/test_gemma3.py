@@ -51,23 +51,29 @@ def prompts():
 @pytest.fixture(scope="module")
 def reference(prompts):
     """transformers' greedy tokens and per-step logits for every prompt (its own KV cache)."""
+    import functools
+
+    import gguf
     from transformers import Gemma3ForCausalLM
 
     from kvledger.loader.resolve import gemma3_gguf_path
 
     path = gemma3_gguf_path()
-    model = Gemma3ForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    with pytest.MonkeyPatch.context() as mp:  # transformers parses the GGUF twice (config, then tensors):
+        mp.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))  # ~20 s each, for a 262k vocabulary
+        model = Gemma3ForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     out = []
     with torch.inference_mode():
         for ids in prompts:
-            result = model(torch.tensor([ids]), use_cache=True)
+            result = model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)  # the last position's logits only
             tokens, logits = [], []
             for _ in range(NEW_TOKENS):
                 step_logits = result.logits[0, -1].float()
                 token = int(step_logits.argmax())
                 tokens.append(token)
                 logits.append(step_logits)
-                result = model(torch.tensor([[token]]), past_key_values=result.past_key_values, use_cache=True)
+                result = model(torch.tensor([[token]]), past_key_values=result.past_key_values, use_cache=True,
+                               logits_to_keep=1)
             out.append((tokens, torch.stack(logits)))
     del model
     return out
