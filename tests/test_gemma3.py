@@ -162,7 +162,8 @@ def test_int8_cache_runs_hybrid_and_measures_its_bytes(prompts, reference):
 
 def test_generate_json_lists_the_kv_groups():
     """``kvledger generate --model gemma-3-270m --json``: ``kv.groups`` names each group's attention
-    type, layers and peak blocks; the pool's bytes are pages of three layers, predicted = measured."""
+    type, layers and peak blocks; the pool's bytes are pages of three layers, predicted = measured =
+    what ``plan`` counts for the engine in the same memory."""
     from tests.cli_helpers import kvledger
 
     kv = kvledger("generate", "--model", "gemma-3-270m", "The capital of France is", "--max-tokens", "2",
@@ -173,5 +174,8 @@ def test_generate_json_lists_the_kv_groups():
     assert [g["blocks_allocated_peak"] for g in groups] == [1] * 6  # 7 tokens: one block in every group
     assert kv["measured_bytes"] == kv["predicted_bytes"] == kv["num_blocks"] * 16 * 3 * 2 * 256 * 4
     assert kv["bytes_per_token"] == 18 * 2 * 256 * 4
+    plan = kvledger("plan", "gemma-3-270m", "--gpu", "a100-80gb", "--kv-cache-memory", "64MiB", "--dtype", "float32",
+                    "--json").json()  # the planner's count of the engine's pool, for the same memory
+    assert (plan["engine_num_blocks"], plan["engine_pool_bytes"]) == (kv["num_blocks"], kv["measured_bytes"])
     bad = kvledger("generate", "--model", "gemma-3-270m", "hi", "--kv-cache-dtype", "fp8", "--kv-cache-memory", "64MiB")
     assert bad.returncode == 2 and "int8" in bad.stderr and "Traceback" not in bad.stderr

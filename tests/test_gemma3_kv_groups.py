@@ -53,7 +53,8 @@ def test_groups_follow_the_five_to_one_pattern():
 @pytest.mark.parametrize("tokens", [100, 512, 513, 1000, 4096])
 def test_request_bytes_equal_kv_bytes_to_the_byte(tokens):
     """A request with T computed tokens holds, in bytes measured from its block tables, exactly
-    what ``kvledger kv-bytes gemma-3-270m --tokens T --json`` prints (float32 cache), and the
+    what ``kvledger kv-bytes gemma-3-270m --tokens T --json`` and ``kvledger plan ... --context T
+    --json`` (``request_held_bytes``) print (float32 cache), and the
     formula the issue states: 3 full layers x T + 15 sliding layers x the window's blocks."""
     import json
 
@@ -69,8 +70,10 @@ def test_request_bytes_equal_kv_bytes_to_the_byte(tokens):
     kb = kv_bytes(SPEC, "float32", tokens=tokens, block_size=BS)
     out = json.loads(kvledger("kv-bytes", "gemma-3-270m", "--tokens", str(tokens), "--kv-cache-dtype", "float32",
                               "--json").stdout)
+    plan = json.loads(kvledger("plan", "gemma-3-270m", "--gpu", "a100-80gb", "--kv-cache-memory", "64MiB", "--dtype",
+                               "float32", "--users", "1", "--context", str(tokens), "--json").stdout)
     held = tokens - 16 * (max(0, tokens - 512) // 16)
-    assert measured == kb.held_bytes == out["held_bytes"] == out["total_bytes"]
+    assert measured == kb.held_bytes == out["held_bytes"] == out["total_bytes"] == plan["request_held_bytes"]
     assert measured == per_layer_token * (3 * tokens + 15 * min(tokens, held))
     assert slots == [tokens] + [held] * 5
     # the pool: blocks of one group's three layers, the bytes kv-bytes' page arithmetic gives

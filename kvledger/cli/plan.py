@@ -108,7 +108,8 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     from kvledger.errors import KVLedgerError
     from kvledger.planner import bandwidth as bw
     from kvledger.planner.memory_wall import (CONTEXTS, check_max_model_len, max_fitting_length, plan_memory,
-                                              sequence_blocks, useful_work, users_at, verdict)
+                                              request_held_bytes, sequence_blocks, useful_work, users_at,
+                                              verdict)
 
     if args.users is not None and args.context is None:
         args.context = CROSSOVER_CONTEXT  # the default --help promises
@@ -138,6 +139,7 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         "kv_pool_gib": wall.kv_pool_bytes / GiB, "weights_gib": wall.weights_bytes / GiB,
         "users_per_context": users,
         "useful_work": {t: useful_work(n) for t, n in users.items()},
+        "held_bytes_per_context": {str(t): request_held_bytes(spec, wall, t) for t in contexts},
         "bandwidth_bytes_per_s": bandwidth,
         "crossover_tokens": crossover,
         "crossover_context": conversation,
@@ -162,7 +164,8 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         step = bw.decode_step(bw.weight_bytes_read_per_step(wall, args.users), kv, args.users, args.context, bandwidth)
         out.update({k: v for k, v in asdict(step).items() if k not in ("users", "context")})
         out.update(users=args.users, context=args.context,
-                   load_fits=args.users <= users_at(spec, wall, args.context))
+                   load_fits=args.users <= users_at(spec, wall, args.context),
+                   request_held_bytes=request_held_bytes(spec, wall, args.context))
     if args.workload:
         out["workload"] = workload_report(args, spec, gpu, wall, bandwidth)
     # vLLM starts with --max-model-len, or else the model's own context: the verdict holds it to that
@@ -305,6 +308,11 @@ def print_plan(plan: dict[str, Any]) -> None:
         rows.append(("scale bytes per token", f"{wall.scale_bytes_per_token:,}", format_bytes(wall.scale_bytes_per_token)))
     rows += [(f"block ({wall.block_size} tokens)", f"{wall.block_bytes:,}", format_bytes(wall.block_bytes)),
              ("blocks", f"{wall.num_blocks:,}", ""),
+             *([(f"engine block (one KV group: {wall.engine_group_layers} layers x {wall.block_size} tokens)",
+                 f"{wall.engine_block_bytes:,}", format_bytes(wall.engine_block_bytes)),
+                ("engine blocks", f"{wall.engine_num_blocks:,}", ""),
+                ("engine pool (its cache tensors)", f"{wall.engine_pool_bytes:,}", format_bytes(wall.engine_pool_bytes))]
+               if wall.engine_block_bytes != wall.block_bytes else []),
              ("GPU KV cache size (tokens)", f"{wall.kv_tokens:,}", ""),
              *([(f"maximum concurrency for {plan['max_model_len']:,} tokens per request",
                  f"{plan['max_concurrency']:.2f}x", "")] if "max_concurrency" in plan else []),
@@ -312,9 +320,10 @@ def print_plan(plan: dict[str, Any]) -> None:
               f"{plan['crossover_conversations']:.1f} x {plan['crossover_context']:,}-token conversations")]
     print(tabulate(rows, headers=["KV cache", "", ""], colalign=("left", "right", "right"), disable_numparse=True))
     print()
-    rows = [(f"{int(t):,}", f"{n:,}", plan["useful_work"][t]) for t, n in plan["users_per_context"].items()]
-    print(tabulate(rows, headers=["context per user", "concurrent users", "useful work?"],
-                   colalign=("right", "right", "left")))
+    rows = [(f"{int(t):,}", f"{n:,}", format_bytes(plan["held_bytes_per_context"][t]), plan["useful_work"][t])
+            for t, n in plan["users_per_context"].items()]
+    print(tabulate(rows, headers=["context per user", "concurrent users", "KV held per user", "useful work?"],
+                   colalign=("right", "right", "right", "left"), disable_numparse=True))
     if "step_time_s" in plan:
         print()
         print(f"bandwidth model: {plan['users']} users x {plan['context']:,} tokens at "

@@ -281,6 +281,16 @@ class MemoryWall:
     row of it per sequence.)"""
     num_experts: int = 0
     experts_per_token: int = 0
+    engine_block_bytes: int = 0
+    """One block of this project's engine's pool: ``block_size`` tokens of one KV group's layers
+    (equal to ``block_bytes`` for a uniform model, a sixth of it for Gemma-3's six groups)."""
+    engine_group_layers: int = 0
+    """Layers of one KV group (``L`` for a uniform model): what one engine block holds."""
+    engine_num_blocks: int = 0
+    """Blocks of ``engine_block_bytes`` in the same pool: what the engine allocates."""
+    engine_pool_bytes: int = 0
+    """The engine's pool tensors, scales included: ``engine_num_blocks x engine_block_bytes``
+    (plus any per-layer scales): its measured cache bytes, to the byte."""
     warnings: tuple[str, ...] = ()
     """What the plan stands on but a user should know (fp8 on a card without FP8 hardware)."""
 
@@ -355,7 +365,7 @@ def plan_memory(
             fits = _fitting_tp(spec, kv_cache_dtype, block_size, parts, layers, pp, requested, tp, overheads_at, unq)
             raise KVLedgerError(_does_not_fit(spec, gpu, weights, terms.total, requested, tp, gpu_memory_utilization,
                                               weights_dtype, fits))
-    blocks = kvb.num_blocks(pool, block_size)  # the engine sizes its block pool with the same call
+    blocks = kvb.num_blocks(pool, block_size)  # vLLM's count; the engine's is kvb.num_pages (one KV group a block)
     if blocks == 0:
         raise KVLedgerError(f"the KV pool ({pool:,} bytes) holds not even one block of {block_size} tokens "
                             f"({block_size * kvb.token_bytes:,} bytes); give the cache more memory")
@@ -384,6 +394,9 @@ def plan_memory(
         expert_bytes=math.ceil(parts.experts * layers / spec.num_layers / tp),
         embedding_table_bytes=math.ceil((parts.vision if pp == 1 else 0) / tp),
         num_experts=spec.num_experts, experts_per_token=spec.num_experts_per_token,
+        engine_block_bytes=kvb.page_bytes(block_size), engine_group_layers=kvb.group_layers or kvb.num_layers,
+        engine_num_blocks=kvb.num_pages(pool, block_size),
+        engine_pool_bytes=kvb.pages_bytes(kvb.num_pages(pool, block_size), block_size),
         warnings=(warning,) if warning else (),
     )
 
@@ -440,6 +453,15 @@ def sequence_blocks(spec: ModelSpec, wall: MemoryWall, tokens: int) -> int:
     group = min(num_full, kvb.num_sliding_layers)
     full_groups, sliding_groups = math.ceil(num_full / group), math.ceil(kvb.num_sliding_layers / group)
     return math.ceil((full_groups * pages + sliding_groups * window_pages) / (full_groups + sliding_groups))
+
+
+def request_held_bytes(spec: ModelSpec, wall: MemoryWall, tokens: int) -> int:
+    """Bytes one request of ``tokens`` cached tokens holds in the engine's pool, per rank: every
+    full layer ``tokens`` slots, every sliding layer what its blocks keep of the window
+    (:attr:`KVBytes.held_bytes`, the figure the engine's ledger measures per request)."""
+    return kv_bytes(spec, wall.kv_cache_dtype, tokens=tokens, tensor_parallel_size=wall.tensor_parallel_size,
+                    pipeline_parallel_size=wall.pipeline_parallel_size, model_dtype=wall.dtype,
+                    block_size=wall.block_size).held_bytes
 
 
 def users_at(spec: ModelSpec, wall: MemoryWall, tokens: int, shared_prefix: int = 0) -> int:
