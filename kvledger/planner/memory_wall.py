@@ -365,7 +365,8 @@ def plan_memory(
             fits = _fitting_tp(spec, kv_cache_dtype, block_size, parts, layers, pp, requested, tp, overheads_at, unq)
             raise KVLedgerError(_does_not_fit(spec, gpu, weights, terms.total, requested, tp, gpu_memory_utilization,
                                               weights_dtype, fits))
-    blocks = kvb.num_blocks(pool, block_size)  # vLLM's count; the engine's is kvb.num_pages (one KV group a block)
+    blocks = kvb.num_blocks(pool, block_size)  # vLLM's count
+    engine_blocks = kvb.num_pages(pool, block_size)  # the engine's (a block of one KV group), the call it sizes with
     if blocks == 0:
         raise KVLedgerError(f"the KV pool ({pool:,} bytes) holds not even one block of {block_size} tokens "
                             f"({block_size * kvb.token_bytes:,} bytes); give the cache more memory")
@@ -395,8 +396,7 @@ def plan_memory(
         embedding_table_bytes=math.ceil((parts.vision if pp == 1 else 0) / tp),
         num_experts=spec.num_experts, experts_per_token=spec.num_experts_per_token,
         engine_block_bytes=kvb.page_bytes(block_size), engine_group_layers=kvb.group_layers or kvb.num_layers,
-        engine_num_blocks=kvb.num_pages(pool, block_size),
-        engine_pool_bytes=kvb.pages_bytes(kvb.num_pages(pool, block_size), block_size),
+        engine_num_blocks=engine_blocks, engine_pool_bytes=kvb.pages_bytes(engine_blocks, block_size),
         warnings=(warning,) if warning else (),
     )
 
