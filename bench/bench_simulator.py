@@ -11,14 +11,17 @@ run under ``kvledger bench serve``, a profile fitted from that run's own steps (
 calibrate --step-log``), and ``kvledger simulate --profile`` with the same requests, arrivals,
 engine flags and pool; prints the Diff% table (simulated vs measured) of TTFT, TPOT, ITL and
 E2EL (mean, p50, p90, p99), preemptions, peak blocks allocated and the prefix-cache hit rate,
-the targets missed, and the table with the other rate's profile (out of sample).
+the targets missed, and the table with the other rate's profile (out of sample). With
+``--repeats N`` each rate is served N times, each run against its own profile, so the run-to-run
+spread of the real engine shows beside the simulator's error; every run is also replayed on its
+own recorded step times (the scheduler and pool alone, without the step model).
 
 ``vllm``: the vLLM peer's ``vllm serve`` (block size 128, its pool from
 ``VLLM_CPU_KVCACHE_SPACE``), a profile fitted from its own measured timings (prefill TTFTs and
 decode ITLs over HTTP), the same workload through it and through ``simulate``.
 
     .venv/bin/python bench/bench_simulator.py [scale|accuracy|vllm|all] [--num-prompts 64] [--rates R1,R2]
-        [--markdown BENCHMARKS.md]
+        [--repeats N] [--markdown BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -138,10 +141,63 @@ def _within_targets(real: dict, ledger: dict, sim: dict) -> list[str]:
     return missed
 
 
-def accuracy(num_prompts: int, profile: Path, quick: bool, rates: list[float] | None = None) -> str:
-    """Each rate: a served run that writes its own step log, a profile fitted from that log
-    (``calibrate --step-log``), the same workload through ``simulate`` with it; the Diff% table.
-    The profile of the other rate's run is tried as well (the fit out of sample)."""
+def replay_recorded(log: Path, sim_args: list[str]) -> dict:
+    """``simulate`` with ``sim_args`` (the same requests, arrivals, flags and pool), its clock the
+    served run's own step periods (``wall_s`` plus the busy pause after each step) instead of the
+    step model: what the scheduler and pool alone give on the real run's timing."""
+    import dataclasses
+
+    from kvledger.cli.main import build_parser
+    from kvledger.cli.simulate import setup
+    from kvledger.engine.step_log import read_step_log
+    from kvledger.errors import KVLedgerError
+    from kvledger.sim.calibrate import busy_pauses
+    from kvledger.sim.driver import RecordedStepTimes
+    from kvledger.sim.simulate import build_requests, simulate
+    from kvledger.workload.sampling import sample_requests
+    from kvledger.workload.traces import read_trace
+
+    args = build_parser().parse_args(sim_args)
+    _, fleet, _ = setup(args)
+    _, records = read_step_log(log)
+    periods = [r.wall_s + pause for r, pause in zip(records, busy_pauses(records))]
+    fleet = dataclasses.replace(fleet, timer_factory=lambda: RecordedStepTimes(periods))
+    sampled, times = sample_requests(read_trace(args.workload), args.num_prompts, seed=args.seed, sample=args.sample,
+                                     length_scale=args.length_scale, request_rate=args.request_rate,
+                                     burstiness=args.burstiness, time_scale=args.time_scale,
+                                     max_model_len=args.max_model_len)
+    try:
+        res = simulate(build_requests(sampled, times, args.length_scale), fleet)
+    except KVLedgerError as err:  # more steps than the run had: the schedules parted
+        return {"num_preemptions": None, "peak_blocks_allocated": None, "note": str(err)}
+    rep = res.replicas[0]
+    return {"num_preemptions": rep.scheduler.num_preemptions, "peak_blocks_allocated": rep.blocks_allocated_peak,
+            "same_steps": rep.num_steps == len(records)}
+
+
+def _runs_table(runs: list[dict]) -> str:
+    """One row per served run of a rate: the headline diffs, and the discrete counts measured,
+    simulated with the run's profile, and replayed on the run's own step times."""
+    rows = []
+    for k, run in enumerate(runs, 1):
+        real, ledger, sim, rep = run["real"], run["ledger"], run["sim"], run["replay"]
+        diffs = [_diff(sim[f"{m}_ms"][s], real["stats_ms"][m][s])
+                 for m, s in (("tpot", "mean"), ("tpot", "p50"), ("e2el", "mean"), ("ttft", "p50"), ("ttft", "p99"))]
+        rows.append([k, f"{run['load']:.1f}", f"{real['stats_ms']['tpot']['mean']:.1f}", *diffs,
+                     f"{ledger['num_preemptions']} / {sim['num_preemptions']} / {rep['num_preemptions']}",
+                     f"{ledger['blocks_allocated_peak']} / {sim['peak_blocks_allocated']} / {rep['peak_blocks_allocated']}",
+                     ", ".join(run["missed"]) or "none"])
+    head = ["run", "load", "TPOT mean (ms), measured", "TPOT mean Diff %", "TPOT p50 Diff %", "E2EL mean Diff %",
+            "TTFT p50 Diff %", "TTFT p99 Diff %", "preemptions: measured / simulated / replayed",
+            "peak blocks: measured / simulated / replayed", "targets missed"]
+    return tabulate(rows, headers=head, tablefmt="github", disable_numparse=True)
+
+
+def accuracy(num_prompts: int, profile: Path, quick: bool, rates: list[float] | None = None, repeats: int = 1) -> str:
+    """Each rate, ``repeats`` times: a served run that writes its own step log, a profile fitted
+    from that log (``calibrate --step-log``), the same workload through ``simulate`` with it, and
+    through ``simulate`` on the run's own recorded step times (the replay). The first run's full
+    Diff% table, the table with the other rate's profile (out of sample), and a row per run."""
     trace = TRACES / "azure2023_conv.csv"
     pool, max_len, batched = "256", "4096", "2048"
     engine_flags = ["--num-gpu-blocks-override", pool, "--max-model-len", max_len, "--max-num-batched-tokens", batched,
@@ -163,31 +219,41 @@ def accuracy(num_prompts: int, profile: Path, quick: bool, rates: list[float] | 
                         "half and 1.5 x that.")
     bench_flags = dict(trace=str(trace), num_prompts=num_prompts, length_scale=0.25, seed=0, max_model_len=int(max_len))
     tmp = Path(tempfile.mkdtemp(prefix="kvledger-sim-accuracy-"))
-    runs = []
+    by_rate: list[tuple[str, float, list[dict]]] = []
     for label, rate in zip(("lower rate", "higher rate"), rates):
-        log, prof = tmp / f"steps-{rate}.jsonl", tmp / f"profile-{rate}.json"
-        t0 = time.perf_counter()
-        real, ledger = serve_and_bench([*engine_flags, "--step-log", str(log)], bench_flags, rate)
-        load = os.getloadavg()[0]
-        proc = subprocess.run([str(BIN / "kvledger"), "calibrate", "--step-log", str(log), "--out", str(prof)],
-                              capture_output=True, text=True)
-        if proc.returncode:
-            raise RuntimeError(proc.stderr.strip())
-        print(f"{label}: real run {time.perf_counter() - t0:.0f} s, load average {load:.1f}\n{proc.stdout}",
-              file=sys.stderr)
-        runs.append((label, rate, real, ledger, prof, load, proc.stdout))
-    for i, (label, rate, real, ledger, prof, load, fit_text) in enumerate(runs):
-        sim = kvledger_json(*sim_common, "--profile", str(prof), "--request-rate", str(rate))
-        missed = _within_targets(real, ledger, sim)
+        runs = []
+        for k in range(repeats):
+            log, prof = tmp / f"steps-{rate}-{k}.jsonl", tmp / f"profile-{rate}-{k}.json"
+            t0 = time.perf_counter()
+            real, ledger = serve_and_bench([*engine_flags, "--step-log", str(log)], bench_flags, rate)
+            load = os.getloadavg()[0]
+            proc = subprocess.run([str(BIN / "kvledger"), "calibrate", "--step-log", str(log), "--out", str(prof)],
+                                  capture_output=True, text=True)
+            if proc.returncode:
+                raise RuntimeError(proc.stderr.strip())
+            print(f"{label}, run {k + 1}: real run {time.perf_counter() - t0:.0f} s, load average {load:.1f}\n"
+                  f"{proc.stdout}", file=sys.stderr)
+            args = [*sim_common, "--profile", str(prof), "--request-rate", str(rate)]
+            sim = kvledger_json(*args)
+            runs.append(dict(real=real, ledger=ledger, prof=prof, load=load, fit_text=proc.stdout, sim=sim,
+                             replay=replay_recorded(log, args), missed=_within_targets(real, ledger, sim)))
+        by_rate.append((label, rate, runs))
+    for i, (label, rate, runs) in enumerate(by_rate):
+        first = runs[0]
+        real, ledger, sim, fit_text = first["real"], first["ledger"], first["sim"], first["fit_text"]
         fit_line = next((ln for ln in fit_text.splitlines() if ln.startswith("fit error")), "")
-        sections.append(f"**{label}**: {rate} req/s (load average {load:.1f} at the end of the served run); profile "
-                        f"fitted from this run's {fit_text.split(' steps', 1)[0].rsplit(' ', 1)[-1]} steps "
+        missed = first["missed"]
+        sections.append(f"**{label}**: {rate} req/s (load average {first['load']:.1f} at the end of the served run); "
+                        f"profile fitted from this run's {fit_text.split(' steps', 1)[0].rsplit(' ', 1)[-1]} steps "
                         f"({fit_line}); simulator says saturated = {sim['saturated']}\n\n{_table(real, ledger, sim)}"
                         f"\n\nTargets missed: {', '.join(missed) if missed else 'none'}.")
-        other = runs[1 - i] if len(runs) == 2 else None
+        other = by_rate[1 - i] if len(by_rate) == 2 else None
         if other is not None:
-            cross = kvledger_json(*sim_common, "--profile", str(other[4]), "--request-rate", str(rate))
-            sections.append(f"Same run, the profile of the {other[0]} run (out of sample):\n\n{_table(real, ledger, cross)}")
+            cross = kvledger_json(*sim_common, "--profile", str(other[2][0]["prof"]), "--request-rate", str(rate))
+            sections.append(f"Same run, the profile of the {other[0]} run (out of sample):\n\n"
+                            f"{_table(real, ledger, cross)}")
+        sections.append(f"Every served run at {rate} req/s, each against `simulate` with its own profile, and the "
+                        "replay on its own recorded step times:\n\n" + _runs_table(runs))
     return "\n\n".join(sections)
 
 
@@ -333,6 +399,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="calibrate with --quick")
     p.add_argument("--rates", default=None, help="two request rates (req/s, comma-separated) instead of ones "
                    "from the grid profile")
+    p.add_argument("--repeats", type=int, default=1, help="served runs per rate (accuracy; default 1)")
     p.add_argument("--markdown", default=None, help="append the tables to this file")
     args = p.parse_args()
     parts = []
@@ -341,7 +408,7 @@ def main() -> int:
     if args.part in ("accuracy", "all"):
         parts.append("### Simulator against the real engine (SmolLM2-135M, CPU)\n\n"
                      + accuracy(args.num_prompts, Path(args.profile), args.quick,
-                                [float(r) for r in args.rates.split(",")] if args.rates else None))
+                                [float(r) for r in args.rates.split(",")] if args.rates else None, args.repeats))
     if args.part in ("vllm", "all"):
         rates = [float(r) for r in args.rates.split(",")] if args.rates else [0.05, 0.3]
         parts.append("### Simulator against vLLM (SmolLM2-135M, CPU)\n\n"

@@ -136,6 +136,21 @@ def test_profile_round_trips_and_drives_simulate(profile_path):
     assert out["completed"] == 20
 
 
+def test_busy_pauses_count_only_the_gaps_where_the_engine_stayed_busy():
+    """A step's period is its wall time plus the pause before the next step, when the next step
+    carries on one of its requests within a second; an idle wait, a fresh batch or a clock that
+    ran backwards counts 0."""
+    from kvledger.engine.outputs import StepRecord
+    from kvledger.sim.calibrate import busy_pauses
+
+    steps = [StepRecord(0, [("a", 0, 8)], 1, start_s=10.0, wall_s=0.5),   # a continues 0.1 s later
+             StepRecord(1, [("a", 8, 1)], 1, start_s=10.6, wall_s=0.1),   # then a 5 s idle wait
+             StepRecord(2, [("a", 9, 1)], 1, start_s=15.7, wall_s=0.1),   # next: only b, a finished
+             StepRecord(3, [("b", 0, 4)], 1, start_s=15.85, wall_s=0.2),  # next starts before this ends
+             StepRecord(4, [("b", 4, 1)], 1, start_s=16.0, wall_s=0.1)]   # the last step: no next
+    assert busy_pauses(steps) == pytest.approx([0.1, 0.0, 0.0, 0.0, 0.0])
+
+
 def test_calibrate_refuses_what_is_not_a_step_log(tmp_path):
     garbage = tmp_path / "steps.jsonl"
     garbage.write_text('{"index": 0}\n')

@@ -152,6 +152,22 @@ MAX_GAP_S = 1.0
 """A pause between two steps longer than this is not overhead (the loop waited for work)."""
 
 
+def busy_pauses(records: list[StepRecord]) -> list[float]:
+    """Per step of a serving run: the pause before the next step, where the engine was busy
+    throughout (the next step carries on a request of this one and starts within
+    :data:`MAX_GAP_S`), else 0. ``wall_s`` plus this pause is the step's period: the virtual
+    seconds the simulator's clock advances for it."""
+    pauses = []
+    for r, nxt in zip(records, [*records[1:], None]):
+        pause = 0.0
+        if nxt is not None:
+            gap = nxt.start_s - (r.start_s + r.wall_s)
+            if 0 <= gap <= MAX_GAP_S and {b[0] for b in r.batch} & {b[0] for b in nxt.batch}:
+                pause = gap
+        pauses.append(pause)
+    return pauses
+
+
 def fit_step_log(records: list[StepRecord], geometry: ModelGeometry, gpu_terms=GPU_FIT_TERMS
                  ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Coefficients from a serving run's own steps (``kvledger serve --step-log``), and the fit's
@@ -166,15 +182,9 @@ def fit_step_log(records: list[StepRecord], geometry: ModelGeometry, gpu_terms=G
     fitted steps then add up to the measured time, which sets the latencies. The report's last
     row compares those sums."""
     rows, model_s, cpu_s, period_s, kinds = [], [], [], [], []
-    for i, r in enumerate(records):
+    for r, gap in zip(records, busy_pauses(records)):
         if not r.batch:
             continue
-        gap = 0.0
-        if i + 1 < len(records):
-            nxt = records[i + 1]
-            pause = nxt.start_s - (r.start_s + r.wall_s)
-            if 0 <= pause <= MAX_GAP_S and {b[0] for b in r.batch} & {b[0] for b in nxt.batch}:
-                gap = pause
         rows.append(batch_terms(geometry, [(c, n) for _, c, n in r.batch], r.num_samples))
         model_s.append(r.model_s)
         cpu_s.append(r.wall_s - r.model_s + gap)
