@@ -68,7 +68,7 @@ class ModelRunner:
                 block_offsets.append(len(blocks) - start // bs)
                 blocks.extend(tables[s.request.request_id][start // bs:blocks_for(start + n, bs)])
             positions, slots = self._positions_and_slots(starts, counts, blocks, block_offsets)
-            meta = AttentionMetadata(slot_mapping=slots)
+            meta = AttentionMetadata(slot_mapping=slots, decode_in_place=self.step.compiled)
             start = 0
             lengths = [s.request.num_computed_tokens + 1 for s in decodes]
             for end in _group_bounds([min(n, window + bs) for n in lengths] if window else lengths):
@@ -122,10 +122,11 @@ class ModelRunner:
         nb = blocks_for(max_len, bs)
         tables = [block_tables[s.request.request_id][:nb] for s in group]
         padded = self._tensor([t + [0] * (nb - len(t)) for t in tables]).view(len(group), nb)
+        lens_t = self._tensor(lens)
         mask = None
         if min(lens) != max_len:
-            mask = DecodeGroup.padding_mask(self._tensor(lens), max_len, self.cache.compute_dtype)
-        return DecodeGroup(start, start + len(group), padded, max_len, mask)
+            mask = DecodeGroup.padding_mask(lens_t, max_len, self.cache.compute_dtype)
+        return DecodeGroup(start, start + len(group), padded, max_len, mask, lens_t)
 
     def _window_decode_group(self, group: list[ScheduledRequest], start: int, block_tables: dict[str, list[int]],
                              lens: list[int], window: int) -> DecodeGroup:

@@ -6,7 +6,8 @@ first (:meth:`KVCache.write`), then attention runs:
 
 * decodes: one attention call per group, queries ``[B, H, 1, d]`` against K/V gathered
   through the block tables ``[B, H_kv, T, d]``, padding positions masked by an additive mask
-  built once per step. Decodes come sorted by context length and split into groups whose
+  built once per step; under the compiled step, groups of two or more over an unquantized
+  cache read K/V in place instead (:mod:`kvledger.layers.paged_decode`). Decodes come sorted by context length and split into groups whose
   longest context is at most twice their shortest, so the padding gathered never exceeds the
   useful K/V read. An unquantized cache goes through SDPA; an 8-bit cache hands over its
   values widened but unscaled (:class:`DecodeKV`) and :func:`decode_attention` applies the
@@ -39,6 +40,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from kvledger.layers.paged_decode import MIN_ROWS, compiled_paged_decode_attention
 from kvledger.layers.paged_kv import DecodeKV, KVCache
 
 
@@ -89,7 +91,9 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [B, blocks]
     max_len: int  # tokens to gather per sequence (the group's longest context)
     mask: torch.Tensor | None  # [B, 1, 1, max_len] added to the scores: 0 within a context, -inf past
-    # its end, in the compute dtype; None when every context is max_len long
+    # its end, in the compute dtype; None when every context is max_len long (or read in place)
+    context_lens: torch.Tensor | None = None  # [B] tokens per sequence, for reading in place
+    # (kvledger.layers.paged_decode); None for a sliding-window group
 
     @staticmethod
     def padding_mask(lengths: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -115,6 +119,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [N] physical slot of every new token
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    decode_in_place: bool = False
+    """Decode groups of two or more sequences with ``context_lens`` over an unquantized cache read
+    their K/V in place (:mod:`kvledger.layers.paged_decode`, compiled) instead of gathering them."""
 
 
 @dataclass
@@ -173,7 +180,13 @@ def _paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     cache.write(layer, k, v, meta.slot_mapping)
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    in_place = meta.decode_in_place and not cache.quantized
     for group in meta.decodes:
+        if in_place and group.context_lens is not None and group.end - group.start >= MIN_ROWS:
+            pools = cache.storage[layer]
+            out[group.start:group.end] = compiled_paged_decode_attention(
+                q[group.start:group.end], pools[0], pools[1], group.block_tables, group.context_lens, scale)
+            continue
         kv = cache.gather_decode(layer, group.block_tables, group.max_len)
         out[group.start:group.end] = decode_attention(q[group.start:group.end], kv, group.mask, scale)
     for chunk in meta.prefills:

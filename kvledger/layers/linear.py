@@ -54,5 +54,12 @@ class Linear(nn.Linear):
         """(Re)build the prepacked weight from the current ``weight``; call after loading it."""
         self.packed = pack_weight(self.weight)
 
+    @property
+    def kernel_weight(self) -> torch.Tensor | None:
+        """The prepacked weight for :func:`linear`, or None inside a graph that ``torch.compile``
+        traces: oneDNN's blocked tensors have no fake-tensor form, so a compiled layer multiplies
+        by the plain weight and inductor chooses the kernel."""
+        return None if torch.compiler.is_compiling() else self.packed
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
-        return linear(x, self.weight, self.bias, self.packed, residual)
+        return linear(x, self.weight, self.bias, self.kernel_weight, residual)

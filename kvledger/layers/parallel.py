@@ -88,7 +88,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
         if self.tp_size == 1:
             return super().forward(x, residual)
-        y = all_reduce(linear(x, self.weight, None, self.packed))
+        y = all_reduce(linear(x, self.weight, None, self.kernel_weight))
         if self.bias is not None:
             y = y + self.bias
         return y if residual is None else y + residual
