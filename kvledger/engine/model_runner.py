@@ -122,11 +122,10 @@ class ModelRunner:
         nb = blocks_for(max_len, bs)
         tables = [block_tables[s.request.request_id][:nb] for s in group]
         padded = self._tensor([t + [0] * (nb - len(t)) for t in tables]).view(len(group), nb)
-        lens_t = self._tensor(lens)
-        mask = None
-        if min(lens) != max_len:
-            mask = DecodeGroup.padding_mask(lens_t, max_len, self.cache.compute_dtype)
-        return DecodeGroup(start, start + len(group), padded, max_len, mask, lens_t)
+        padding = min(lens) != max_len
+        lens_t = self._tensor(lens) if padding or self.step.compiled else None  # compiled: read in place
+        mask = DecodeGroup.padding_mask(lens_t, max_len, self.cache.compute_dtype) if padding else None
+        return DecodeGroup(start, start + len(group), padded, max_len, mask, lens_t if self.step.compiled else None)
 
     def _window_decode_group(self, group: list[ScheduledRequest], start: int, block_tables: dict[str, list[int]],
                              lens: list[int], window: int) -> DecodeGroup:

@@ -93,7 +93,7 @@ class DecodeGroup:
     mask: torch.Tensor | None  # [B, 1, 1, max_len] added to the scores: 0 within a context, -inf past
     # its end, in the compute dtype; None when every context is max_len long (or read in place)
     context_lens: torch.Tensor | None = None  # [B] tokens per sequence, for reading in place
-    # (kvledger.layers.paged_decode); None for a sliding-window group
+    # (kvledger.layers.paged_decode); None when the step does not (eager) and for sliding windows
 
     @staticmethod
     def padding_mask(lengths: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor:
