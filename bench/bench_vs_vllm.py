@@ -181,7 +181,7 @@ def server_commands(args: argparse.Namespace, port: int) -> dict[str, tuple[list
         "kvledger": ([str(Path(sys.executable).parent / "kvledger"), "serve", "--port", str(port), "--dtype", "float32",
                       "--kv-cache-memory", f"{KV_CACHE_GIB}GiB", "--max-model-len", str(SERVER_MAX_MODEL_LEN)],
                      {"OMP_NUM_THREADS": str(THREADS)}),
-        "vLLM": (_sourced(args.peer, f"{shlex.quote(str(args.peer / 'venv/bin/vllm'))} serve "
+        "vLLM": (_sourced(args.peer, f"vllm serve "  # the peer's own command (PREFIX/bin, on PATH after env.sh)
                                      f"{shlex.quote(str(args.peer / 'smollm2-hf'))} --dtype float32 --seed 0 "
                                      f"--max-model-len {SERVER_MAX_MODEL_LEN} --host 127.0.0.1 --port {port}"), VLLM_ENV),
     }
