@@ -7,9 +7,9 @@ first (:meth:`KVCache.write`), then attention runs:
 * decodes: one attention call per group, queries ``[B, H, 1, d]`` against K/V gathered
   through the block tables ``[B, H_kv, T, d]``, padding positions masked by an additive mask
   built once per step; under the compiled step, groups of two or more over an unquantized
-  cache read K/V in place instead (:mod:`kvledger.layers.paged_decode`). Decodes come sorted by context length and split into groups whose
-  longest context is at most twice their shortest, so the padding gathered never exceeds the
-  useful K/V read. An unquantized cache goes through SDPA; an 8-bit cache hands over its
+  cache read K/V in place instead (:mod:`kvledger.layers.paged_decode`). Decodes come sorted
+  by context length and split into groups whose longest context is at most twice their
+  shortest, so the padding gathered never exceeds the useful K/V read. An unquantized cache goes through SDPA; an 8-bit cache hands over its
   values widened but unscaled (:class:`DecodeKV`) and :func:`decode_attention` applies the
   scales to the scores and the probabilities, so the context is never dequantized into a
   full-size copy;
