@@ -169,7 +169,8 @@ def replay_recorded(log: Path, sim_args: list[str]) -> dict:
     try:
         res = simulate(build_requests(sampled, times, args.length_scale), fleet)
     except KVLedgerError as err:  # more steps than the run had: the schedules parted
-        return {"num_preemptions": None, "peak_blocks_allocated": None, "note": str(err)}
+        print(f"replay of {log.name}: {err}", file=sys.stderr)
+        return {"num_preemptions": None, "peak_blocks_allocated": None, "same_steps": False}
     rep = res.replicas[0]
     return {"num_preemptions": rep.scheduler.num_preemptions, "peak_blocks_allocated": rep.blocks_allocated_peak,
             "same_steps": rep.num_steps == len(records)}
@@ -181,11 +182,13 @@ def _runs_table(runs: list[dict]) -> str:
     rows = []
     for k, run in enumerate(runs, 1):
         real, ledger, sim, rep = run["real"], run["ledger"], run["sim"], run["replay"]
+        parted = "" if rep.get("same_steps") else " (replay parted from the run)"
         diffs = [_diff(sim[f"{m}_ms"][s], real["stats_ms"][m][s])
                  for m, s in (("tpot", "mean"), ("tpot", "p50"), ("e2el", "mean"), ("ttft", "p50"), ("ttft", "p99"))]
         rows.append([k, f"{run['load']:.1f}", f"{real['stats_ms']['tpot']['mean']:.1f}", *diffs,
                      f"{ledger['num_preemptions']} / {sim['num_preemptions']} / {rep['num_preemptions']}",
-                     f"{ledger['blocks_allocated_peak']} / {sim['peak_blocks_allocated']} / {rep['peak_blocks_allocated']}",
+                     f"{ledger['blocks_allocated_peak']} / {sim['peak_blocks_allocated']} / {rep['peak_blocks_allocated']}"
+                     + parted,
                      ", ".join(run["missed"]) or "none"])
     head = ["run", "load", "TPOT mean (ms), measured", "TPOT mean Diff %", "TPOT p50 Diff %", "E2EL mean Diff %",
             "TTFT p50 Diff %", "TTFT p99 Diff %", "preemptions: measured / simulated / replayed",
