@@ -66,7 +66,7 @@ class Int8KVCache(KVCache):
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V scales as stored (float16), ``[B, H_kv, T]``."""
         batch, blocks = block_tables.shape
-        s = self.scales[layer][:, block_tables].view(2, batch, blocks * self.block_size, self.num_kv_heads)
+        s = self.scales[layer].index_select(1, block_tables.reshape(-1)).view(2, batch, blocks * self.block_size, self.num_kv_heads)
         if num_tokens is not None:
             s = s[:, :, :num_tokens]
         s = s.transpose(2, 3)
