@@ -9,10 +9,10 @@ first (:meth:`KVCache.write`), then attention runs:
   built once per step; under the compiled step, groups of two or more over an unquantized
   cache read K/V in place instead (:mod:`kvledger.layers.paged_decode`). Decodes come sorted
   by context length and split into groups whose longest context is at most twice their
-  shortest, so the padding gathered never exceeds the useful K/V read. An unquantized cache goes through SDPA; an 8-bit cache hands over its
-  values widened but unscaled (:class:`DecodeKV`) and :func:`decode_attention` applies the
-  scales to the scores and the probabilities, so the context is never dequantized into a
-  full-size copy;
+  shortest, so the padding gathered never exceeds the useful K/V read. An unquantized cache
+  goes through SDPA; an 8-bit cache hands over its values widened but unscaled
+  (:class:`DecodeKV`) and :func:`decode_attention` applies the scales to the scores and the
+  probabilities, so the context is never dequantized into a full-size copy;
 * a prefill chunk that starts at position 0: causal SDPA over its own fresh K/V;
 * a later chunk (chunked prefill, prefix-cache hit, recompute): SDPA over K/V gathered through
   its block table with a causal mask offset by the tokens already in the cache.
