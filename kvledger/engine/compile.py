@@ -20,9 +20,8 @@ When: only when asked for, with ``KVLEDGER_COMPILE=1`` in the environment, and n
 on quiet cores the compiled step gave float32 14-25% more throughput (BENCHMARKS.md), but the
 first step of each of the two shapes pays the compile (tens of seconds on 2 cores; less when
 inductor's on-disk cache already holds the kernels), which a short ``generate`` never earns
-back. Under the compiled step, decode groups also read their K/V in place
-(:mod:`kvledger.layers.paged_decode`; ``AttentionMetadata.decode_in_place``), and bfloat16
-layers multiply by the plain weights (:attr:`kvledger.layers.linear.Linear.kernel_weight`).
+back. Under the compiled step bfloat16 layers multiply by the plain weights
+(:attr:`kvledger.layers.linear.Linear.kernel_weight`).
 The tests of the compiled path set the variable.
 If compiling fails (no C++ compiler,
 an operator inductor cannot lower), the layers run eagerly from then on and the reason is
@@ -72,8 +71,6 @@ class ModelStep:
             log.warning("torch.compile of the decoder layer failed, running eagerly: %s",
                         str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
             self.eager()
-            for m in meta if isinstance(meta, list) else [meta]:
-                m.decode_in_place = False  # the in-place decode kernel is compiled too
             with attention_step(meta, cache):
                 return self.model(input_ids, positions, meta, cache, logits_indices)
 

@@ -18,6 +18,7 @@ from kvledger.engine.block_pool import blocks_for
 from kvledger.engine.kv_cache_manager import KVCacheGroup, first_live_block
 from kvledger.engine.compile import ModelStep
 from kvledger.engine.scheduler import SchedulerOutput, ScheduledRequest
+from kvledger.layers import paged_decode
 from kvledger.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from kvledger.layers.paged_kv import KVCache
 from kvledger.models.llama import LlamaForCausalLM
@@ -32,6 +33,11 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.device = device
         self.windows = [g.sliding_window for g in groups] if groups else [None]
+        attn = model.layers[0].self_attn if hasattr(model, "layers") else None  # this rank's heads
+        self.decode_in_place = attn is not None and not cache.quantized and paged_decode.supports(
+            cache.storage.device, cache.dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        """Decodes read K/V in place with the CPU kernel (:mod:`kvledger.layers.paged_decode`) rather
+        than gathering them."""
         self.last_logits: torch.Tensor | None = None  # [samplers, vocab] of the latest step (tests read it)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
@@ -68,7 +74,7 @@ class ModelRunner:
                 block_offsets.append(len(blocks) - start // bs)
                 blocks.extend(tables[s.request.request_id][start // bs:blocks_for(start + n, bs)])
             positions, slots = self._positions_and_slots(starts, counts, blocks, block_offsets)
-            meta = AttentionMetadata(slot_mapping=slots, decode_in_place=self.step.compiled)
+            meta = AttentionMetadata(slot_mapping=slots, decode_in_place=self.decode_in_place)
             start = 0
             lengths = [s.request.num_computed_tokens + 1 for s in decodes]
             for end in _group_bounds([min(n, window + bs) for n in lengths] if window else lengths):
@@ -122,10 +128,12 @@ class ModelRunner:
         nb = blocks_for(max_len, bs)
         tables = [block_tables[s.request.request_id][:nb] for s in group]
         padded = self._tensor([t + [0] * (nb - len(t)) for t in tables]).view(len(group), nb)
-        padding = min(lens) != max_len
-        lens_t = self._tensor(lens) if padding or self.step.compiled else None  # compiled: read in place
-        mask = DecodeGroup.padding_mask(lens_t, max_len, self.cache.compute_dtype) if padding else None
-        return DecodeGroup(start, start + len(group), padded, max_len, mask, lens_t if self.step.compiled else None)
+        if self.decode_in_place:  # the kernel reads each row's own length: no mask
+            return DecodeGroup(start, start + len(group), padded, max_len, None, self._tensor(lens))
+        mask = None
+        if min(lens) != max_len:
+            mask = DecodeGroup.padding_mask(self._tensor(lens), max_len, self.cache.compute_dtype)
+        return DecodeGroup(start, start + len(group), padded, max_len, mask)
 
     def _window_decode_group(self, group: list[ScheduledRequest], start: int, block_tables: dict[str, list[int]],
                              lens: list[int], window: int) -> DecodeGroup:

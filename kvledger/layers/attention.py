@@ -4,15 +4,16 @@ A step's tokens are flattened into one batch: first one token per decoding seque
 the prefill chunks, each contiguous. Per layer every new K/V is written into the cache
 first (:meth:`KVCache.write`), then attention runs:
 
-* decodes: one attention call per group, queries ``[B, H, 1, d]`` against K/V gathered
-  through the block tables ``[B, H_kv, T, d]``, padding positions masked by an additive mask
-  built once per step; under the compiled step, groups of two or more over an unquantized
-  cache read K/V in place instead (:mod:`kvledger.layers.paged_decode`). Decodes come sorted
-  by context length and split into groups whose longest context is at most twice their
-  shortest, so the padding gathered never exceeds the useful K/V read. An unquantized cache
-  goes through SDPA; an 8-bit cache hands over its values widened but unscaled
-  (:class:`DecodeKV`) and :func:`decode_attention` applies the scales to the scores and the
-  probabilities, so the context is never dequantized into a full-size copy;
+* decodes: on CPU, over a cache that stores the compute dtype (float32, bfloat16), one call
+  of the decode kernel per group reads K/V where they lie in the blocks
+  (:mod:`kvledger.layers.paged_decode`; ``AttentionMetadata.decode_in_place``). Otherwise one
+  attention call per group, queries ``[B, H, 1, d]`` against K/V gathered through the block
+  tables ``[B, H_kv, T, d]``, padding positions masked by an additive mask built once per
+  step. Decodes come sorted by context length and split into groups whose longest context is
+  at most twice their shortest, so the padding gathered never exceeds the useful K/V read. An
+  unquantized cache goes through SDPA; an 8-bit cache hands over its values widened but
+  unscaled (:class:`DecodeKV`) and :func:`decode_attention` applies the scales to the scores
+  and the probabilities, so the context is never dequantized into a full-size copy;
 * a prefill chunk that starts at position 0: causal SDPA over its own fresh K/V;
 * a later chunk (chunked prefill, prefix-cache hit, recompute): SDPA over K/V gathered through
   its block table with a causal mask offset by the tokens already in the cache.
@@ -40,7 +41,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from kvledger.layers.paged_decode import MIN_ROWS, compiled_paged_decode_attention
+from kvledger.layers.paged_decode import paged_decode_attention
 from kvledger.layers.paged_kv import DecodeKV, KVCache
 
 
@@ -93,7 +94,7 @@ class DecodeGroup:
     mask: torch.Tensor | None  # [B, 1, 1, max_len] added to the scores: 0 within a context, -inf past
     # its end, in the compute dtype; None when every context is max_len long (or read in place)
     context_lens: torch.Tensor | None = None  # [B] tokens per sequence, for reading in place
-    # (kvledger.layers.paged_decode); None when the step does not (eager) and for sliding windows
+    # (kvledger.layers.paged_decode); None when the step gathers instead, and for sliding windows
 
     @staticmethod
     def padding_mask(lengths: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -120,8 +121,8 @@ class AttentionMetadata:
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_in_place: bool = False
-    """Decode groups of two or more sequences with ``context_lens`` over an unquantized cache read
-    their K/V in place (:mod:`kvledger.layers.paged_decode`, compiled) instead of gathering them."""
+    """Decode groups with ``context_lens`` read their K/V in place (:mod:`kvledger.layers.paged_decode`)
+    instead of gathering them; set by the model runner where the kernel serves the cache."""
 
 
 @dataclass
@@ -180,12 +181,11 @@ def _paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     cache.write(layer, k, v, meta.slot_mapping)
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    in_place = meta.decode_in_place and not cache.quantized
     for group in meta.decodes:
-        if in_place and group.context_lens is not None and group.end - group.start >= MIN_ROWS:
+        if meta.decode_in_place and group.context_lens is not None:
             pools = cache.storage[layer]
-            out[group.start:group.end] = compiled_paged_decode_attention(
-                q[group.start:group.end], pools[0], pools[1], group.block_tables, group.context_lens, scale)
+            paged_decode_attention(q[group.start:group.end], pools[0], pools[1], group.block_tables,
+                                   group.context_lens, scale, out=out[group.start:group.end])
             continue
         kv = cache.gather_decode(layer, group.block_tables, group.max_len)
         out[group.start:group.end] = decode_attention(q[group.start:group.end], kv, group.mask, scale)

@@ -1,0 +1,85 @@
+"""kvledger's own CPU kernels (``csrc/``), built once per machine on first use, as ``torch.ops.kvledger_cpu``.
+
+Two kernels, each where torch's general ones leave this CPU idle:
+
+* ``paged_decode`` (``csrc/paged_decode.cpp``): decode attention reading K/V where they lie in
+  the paged cache (:mod:`kvledger.layers.paged_decode`);
+* ``rms_norm`` (``csrc/rms_norm.cpp``): RMSNorm in one call (:mod:`kvledger.layers.rmsnorm`).
+
+They are compiled with the C++ compiler that ``torch.compile`` needs too
+(``torch.utils.cpp_extension``), for the vector instructions inductor picks for this CPU, in
+about 20 s; torch caches the build on disk, keyed by the sources and flags. Where they cannot
+be built (no compiler), or with ``KVLEDGER_CPU_KERNELS=0``, the engine runs torch's own
+operators (gathered K/V and SDPA, the composite norm) and says why once in its log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+CPU_KERNELS_ENV = "KVLEDGER_CPU_KERNELS"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "rms_norm.cpp")]
+
+log = logging.getLogger("kvledger.engine")
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "loaded": bool, "width": floats per vector, "reason": str
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    flags = ["-O3", "-fopenmp"]
+    width = 8  # floats per vector without a vector ISA (ATen's default: 32 bytes)
+    try:  # the vector ISA inductor would use on this CPU, and ATen's macro for it
+        from torch._inductor import cpu_vec_isa
+
+        isa = cpu_vec_isa.pick_vec_isa()
+        if isa:
+            flags += [f"-D{m}" for m in isa.build_macro()] + isa.build_arch_flags().split()
+            width = isa.nelements(torch.float32)
+    except Exception as err:  # noqa: BLE001 - a private API: plain C++ still works
+        log.info("no vector ISA for the CPU kernels (%s); building them without one", err)
+    started = time.perf_counter()
+    cpp_extension.load(name="kvledger_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=flags,
+                       is_python_module=False, verbose=False)
+    log.info("kvledger CPU kernels ready in %.1f s", time.perf_counter() - started)
+    _state["width"] = width
+
+
+def loaded() -> bool:
+    """True once the kernels are built and loaded (built on the first call); False, with the
+    reason logged once, when they are turned off or cannot be built."""
+    if "loaded" not in _state:
+        with _lock:
+            if "loaded" not in _state:
+                if os.environ.get(CPU_KERNELS_ENV, "1") == "0":
+                    _state["reason"] = f"{CPU_KERNELS_ENV}=0"
+                    _state["loaded"] = False
+                else:
+                    try:
+                        _build()
+                        _state["loaded"] = True
+                    except Exception as err:  # noqa: BLE001 - no compiler, no ninja: torch's kernels instead
+                        text = str(err).strip()
+                        _state["reason"] = text.splitlines()[-1] if text else type(err).__name__
+                        _state["loaded"] = False
+                if not _state["loaded"]:
+                    log.warning("kvledger CPU kernels not used (%s); torch's own kernels run instead", _state["reason"])
+    return bool(_state["loaded"])
+
+
+def vector_width() -> int:
+    """Floats per vector register the kernels were built for (16 with AVX-512); 0 when not loaded."""
+    return int(_state["width"]) if loaded() else 0  # type: ignore[call-overload]
+
+
+def reason() -> str | None:
+    """Why the kernels are not loaded, or None."""
+    return None if loaded() else str(_state.get("reason"))
