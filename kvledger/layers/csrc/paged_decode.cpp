@@ -63,9 +63,15 @@ struct SpanArgs {
   float* scores;         // scratch, [n] per query head of one KV head
 };
 
-template <typename T>
-inline const T* row(const T* pool, const SpanArgs<T>& a, int64_t pos, int64_t kv_head) {
-  return pool + a.table[pos / a.block_size] * a.block_stride + (pos % a.block_size) * a.token_stride + kv_head * a.dim;
+// f(t, row) for the span's positions t = 0 .. n-1, row pointing at KV head kv_head of position
+// t0 + t in pool: one table lookup per block (spans start on a block boundary).
+template <typename T, typename F>
+inline void for_each_row(const T* pool, const SpanArgs<T>& a, int64_t kv_head, F&& f) {
+  for (int64_t t = 0; t < a.n;) {
+    const T* r = pool + a.table[(a.t0 + t) / a.block_size] * a.block_stride + kv_head * a.dim;
+    const int64_t end = std::min(a.n, t + a.block_size);
+    for (; t < end; ++t, r += a.token_stride) f(t, r);
+  }
 }
 
 // exp(scores - max) in place for one query head; returns (max, sum).
@@ -101,8 +107,7 @@ void span_fixed(const SpanArgs<T>& a) {
     Vec qv[G][C];
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < C; ++c) qv[g][c] = load_floats(a.q + (j * G + g) * a.q_head + c * W) * Vec(a.scale);
-    for (int64_t t = 0; t < a.n; ++t) {
-      const T* k = row(a.k_pool, a, a.t0 + t, j);
+    for_each_row(a.k_pool, a, j, [&](int64_t t, const T* k) {
       Vec kx[C];
       for (int c = 0; c < C; ++c) kx[c] = load_floats(k + c * W);
       for (int g = 0; g < G; ++g) {
@@ -110,7 +115,7 @@ void span_fixed(const SpanArgs<T>& a) {
         for (int c = 1; c < C; ++c) d = at::vec::fmadd(qv[g][c], kx[c], d);
         a.scores[g * a.n + t] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, d);
       }
-    }
+    });
     for (int g = 0; g < G; ++g) {
       auto [m, total] = softmax_numerators(a.scores + g * a.n, a.n);
       a.max[j * G + g] = m;
@@ -119,13 +124,12 @@ void span_fixed(const SpanArgs<T>& a) {
     Vec acc[G][C];
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < C; ++c) acc[g][c] = Vec(0.f);
-    for (int64_t t = 0; t < a.n; ++t) {
-      const T* v = row(a.v_pool, a, a.t0 + t, j);
+    for_each_row(a.v_pool, a, j, [&](int64_t t, const T* v) {
       for (int c = 0; c < C; ++c) {
         const Vec vx = load_floats(v + c * W);
         for (int g = 0; g < G; ++g) acc[g][c] = at::vec::fmadd(Vec(a.scores[g * a.n + t]), vx, acc[g][c]);
       }
-    }
+    });
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < C; ++c) acc[g][c].store(a.acc + (j * G + g) * D + c * W);
   }
@@ -140,14 +144,13 @@ void span_any(const SpanArgs<T>& a) {
   for (int64_t j = 0; j < a.kv_heads; ++j) {
     for (int64_t g = 0; g < G; ++g)
       for (int64_t x = 0; x < D; x += W) (load_floats(a.q + (j * G + g) * a.q_head + x) * Vec(a.scale)).store(qf.data() + g * D + x);
-    for (int64_t t = 0; t < a.n; ++t) {
-      const T* k = row(a.k_pool, a, a.t0 + t, j);
+    for_each_row(a.k_pool, a, j, [&](int64_t t, const T* k) {
       for (int64_t g = 0; g < G; ++g) {
         Vec d(0.f);
         for (int64_t x = 0; x < D; x += W) d = at::vec::fmadd(Vec::loadu(qf.data() + g * D + x), load_floats(k + x), d);
         a.scores[g * a.n + t] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, d);
       }
-    }
+    });
     for (int64_t g = 0; g < G; ++g) {
       auto [m, total] = softmax_numerators(a.scores + g * a.n, a.n);
       a.max[j * G + g] = m;
@@ -155,8 +158,7 @@ void span_any(const SpanArgs<T>& a) {
     }
     float* acc = a.acc + j * G * D;
     std::fill(acc, acc + G * D, 0.f);
-    for (int64_t t = 0; t < a.n; ++t) {
-      const T* v = row(a.v_pool, a, a.t0 + t, j);
+    for_each_row(a.v_pool, a, j, [&](int64_t t, const T* v) {
       for (int64_t x = 0; x < D; x += W) {
         const Vec vx = load_floats(v + x);
         for (int64_t g = 0; g < G; ++g) {
@@ -164,7 +166,7 @@ void span_any(const SpanArgs<T>& a) {
           at::vec::fmadd(Vec(a.scores[g * a.n + t]), vx, Vec::loadu(o)).store(o);
         }
       }
-    }
+    });
   }
 }
 
