@@ -16,30 +16,22 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
 
+#include "float_vec.h"
+
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using kvledger_cpu::load_floats;
+using kvledger_cpu::Vec;
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head this kernel takes
-
-inline Vec load_floats(const float* p) { return Vec::loadu(p); }
-
-inline Vec load_floats(const c10::BFloat16* p) {
-  Vec v;
-  at::vec::load_to_float(p, v);
-  return v;
-}
 
 // One work item: keys and values [first_block, end_block) of one sequence's blocks, all heads.
 struct Span {

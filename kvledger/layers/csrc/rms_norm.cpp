@@ -9,24 +9,17 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
 
+#include "float_vec.h"
+
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-
-inline Vec load_floats(const c10::BFloat16* p) {
-  Vec v;
-  at::vec::load_to_float(p, v);
-  return v;
-}
-
-inline Vec load_floats(const float* p) { return Vec::loadu(p); }
+using kvledger_cpu::load_floats;
+using kvledger_cpu::Vec;
 
 template <typename T>
 void norm_rows(const T* x, const T* w, T* y, int64_t M, int64_t D, float eps) {
