@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 
 CPU_KERNELS_ENV = "KVLEDGER_CPU_KERNELS"
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes the kernels compute in."""
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "rms_norm.cpp")]
 
 log = logging.getLogger("kvledger.engine")

@@ -27,7 +27,6 @@ import torch
 
 from kvledger.layers import cpu_kernels
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 MAX_GROUP = 16
 """Query heads per KV head the kernel takes (``kMaxGroup`` in the C++)."""
 
@@ -35,7 +34,7 @@ MAX_GROUP = 16
 def supports(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """True when decode steps on this device, cache dtype and head shape run the kernel (building it
     if it is not yet)."""
-    if torch.device(device).type != "cpu" or dtype not in KERNEL_DTYPES:
+    if torch.device(device).type != "cpu" or dtype not in cpu_kernels.KERNEL_DTYPES:
         return False
     if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
         return False

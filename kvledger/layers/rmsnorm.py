@@ -15,8 +15,6 @@ from torch import nn
 
 from kvledger.layers import cpu_kernels
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -26,7 +24,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = (x.shape[-1],)
-        if (x.device.type == "cpu" and x.dtype == self.weight.dtype and x.dtype in KERNEL_DTYPES
+        if (x.device.type == "cpu" and x.dtype == self.weight.dtype and x.dtype in cpu_kernels.KERNEL_DTYPES
                 and not torch.compiler.is_compiling() and cpu_kernels.loaded()):
             rows = x.reshape(-1, x.shape[-1]).contiguous()
             return torch.ops.kvledger_cpu.rms_norm(rows, self.weight, self.eps).view(x.shape)
