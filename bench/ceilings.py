@@ -33,13 +33,13 @@ def matmul_flops(n: int = 2048, repeat: int = 8, dtype: torch.dtype = torch.floa
 def matmul_kernels(n: int = 2048, repeat: int = 8, dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """The n x n x n product's best rate (FLOP/s) in ``dtype`` per CPU kernel: ``torch.matmul``
     (MKL for float32) and oneDNN with the weight prepacked once (the product
-    :mod:`kvledger.layers.linear` runs in bfloat16), measured in every dtype whether or not the
-    engine uses it there. The machine's ceiling is the larger of the two."""
-    from kvledger.layers.linear import linear
+    :mod:`kvledger.layers.linear` runs in bfloat16), measured in every dtype this CPU's oneDNN packs, whether
+    or not the engine uses it there. The machine's ceiling is the larger of the two."""
+    from kvledger.layers.linear import linear, packs
 
     x, w = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     rates = {"torch.matmul": 2 * n**3 / _best_seconds(lambda: x @ w.t(), repeat)}
-    if torch.backends.mkldnn.is_available():
+    if packs(dtype):  # oneDNN on an AVX2-only CPU has no bfloat16 reorder
         packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         rates["oneDNN prepacked"] = 2 * n**3 / _best_seconds(lambda: linear(x, w, packed=packed), repeat)
     return rates

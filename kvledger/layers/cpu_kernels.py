@@ -1,16 +1,18 @@
 """kvledger's own CPU kernels (``csrc/``), built once per machine on first use, as ``torch.ops.kvledger_cpu``.
 
-Two kernels, each where torch's general ones leave this CPU idle:
+Three kernels, each where torch's general ones leave this CPU idle:
 
 * ``paged_decode`` (``csrc/paged_decode.cpp``): decode attention reading K/V where they lie in
   the paged cache (:mod:`kvledger.layers.paged_decode`);
-* ``rms_norm`` (``csrc/rms_norm.cpp``): RMSNorm in one call (:mod:`kvledger.layers.rmsnorm`).
+* ``rms_norm`` (``csrc/rms_norm.cpp``): RMSNorm in one call (:mod:`kvledger.layers.rmsnorm`);
+* ``skinny_linear`` (``csrc/skinny_linear.cpp``): a projection of at most four rows (a decode
+  step of a few sequences) streaming its weight at memory speed (:mod:`kvledger.layers.linear`).
 
 They are compiled with the C++ compiler that ``torch.compile`` needs too
 (``torch.utils.cpp_extension``), for the vector instructions inductor picks for this CPU, in
 about 20 s; torch caches the build on disk, keyed by the sources and flags. Where they cannot
 be built (no compiler), or with ``KVLEDGER_CPU_KERNELS=0``, the engine runs torch's own
-operators (gathered K/V and SDPA, the composite norm) and says why once in its log.
+operators (gathered K/V and SDPA, the composite norm, oneDNN's or MKL's products) and says why once in its log.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 CPU_KERNELS_ENV = "KVLEDGER_CPU_KERNELS"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes the kernels compute in."""
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "rms_norm.cpp")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "rms_norm.cpp", "skinny_linear.cpp")]
 
 log = logging.getLogger("kvledger.engine")
 

@@ -1,17 +1,30 @@
-"""Dense projections ``y = x W^T + b``; bfloat16 on CPU through oneDNN with the weight prepacked once.
+"""Dense projections ``y = x W^T + b`` on CPU: oneDNN with the weight prepacked once, and a kernel of
+our own for a few rows.
 
-On CPU a bfloat16 weight is reordered once, at load (:meth:`Linear.pack`), into oneDNN's
-blocked layout, and every product then runs ``torch.ops.mkldnn._linear_pointwise`` on it: no
-per-call reorder, and the kernels oneDNN picks for the machine (AMX where the CPU has it). A
-residual can be added in the same kernel (``residual=``). Measured here (Xeon with AMX, 1 thread,
-SmolLM2's five projection shapes summed, medians of alternating rounds), bfloat16: 6.4 ms
-prepacked against 8.3 ms for ``F.linear`` at 1 row, 10.1 against 17.1 ms at 64 rows, equal at
-512. float32 gained nothing on this CPU (MKL's ``F.linear`` 9.6 / 64.7 / 371 ms, oneDNN
-prepacked 11.0 / 56.7 / 385 ms at 1 / 64 / 512 rows) and a prepacked copy doubles the weights'
-memory, so float32, other dtypes and other devices use ``torch.nn.functional.linear``. (The
-``W @ x.T`` form this module used before for small batches, measured faster on an AMD CPU, was
-the slowest of the three here.)
+* **At most four rows** (a decode step of a few sequences, the LM head of a step): kvledger's
+  ``skinny_linear`` (:mod:`kvledger.layers.cpu_kernels`) streams the plain weight once and
+  multiplies it by the rows held in float32, float32 or bfloat16 weights, so the product runs at
+  the speed of reading the weight.
+* **More rows**: ``torch.ops.mkldnn._linear_pointwise`` on the weight reordered once, at load
+  (:meth:`Linear.pack`), into oneDNN's blocked layout: no per-call reorder, and the kernels
+  oneDNN picks for the CPU (AMX where it has it). A residual can be added in the same kernel.
+  vLLM's CPU backend sends its dense products through oneDNN too. On a CPU without bfloat16
+  kernels (AVX2 only: oneDNN refuses to reorder a bfloat16 weight there, and torch's own
+  bfloat16 product runs at about 15 GFLOP/s) a bfloat16 weight is packed as its float32 values
+  and the product computed in float32, rounded once to bfloat16.
+* Elsewhere (other devices, other dtypes, inside a ``torch.compile`` graph): ``F.linear``.
+
+Measured on an AVX2 AMD EPYC (2 threads, SmolLM2's four projection shapes of all 30 layers, so
+the weights come from memory; medians): float32 ``F.linear`` (MKL) 48.6 / 96.7 / 120.7 / 287.6 /
+1198 ms at 1 / 4 / 16 / 64 / 512 rows, oneDNN prepacked 40.6 / 46.8 / 64.4 / 208.4 / 877 ms,
+``skinny_linear`` 29.5 ms at 1 row and 36.0 at 4 (float32 weights), 21.5 and 28.5 ms (bfloat16
+weights). On a Xeon with AMX (1 thread, one layer's shapes) float32 was even between MKL and
+oneDNN (9.6 / 64.7 / 371 ms against 11.0 / 56.7 / 385 ms at 1 / 64 / 512 rows) and bfloat16
+prepacked beat ``F.linear`` (6.4 against 8.3 ms at 1 row, 10.1 against 17.1 at 64). The prepacked
+copy is kept beside the plain weight (which the few-row kernel and compiled graphs read), so the
+projections' weights take twice their bytes (three times for bfloat16 on an AVX2 CPU).
 """
+
 
 from __future__ import annotations
 
@@ -19,29 +32,72 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PACKABLE_DTYPES = (torch.bfloat16,)
+from kvledger.layers import cpu_kernels
+
+SKINNY_ROWS = 4
+"""Products of at most this many rows run kvledger's ``skinny_linear`` kernel where it is built."""
+SMALL_BATCH_ROWS = 2
+"""Up to this many rows, a bfloat16 product on a CPU without bfloat16 kernels reads the bfloat16
+weight (half the bytes of its float32 copy, and a product of a few rows is bound by them)."""
+
+
+def packs(dtype: torch.dtype) -> bool:
+    """True when this CPU's oneDNN reorders and multiplies ``dtype`` weights itself: float32
+    always, bfloat16 only with AVX-512 or AVX-NE-CONVERT (an AVX2-only CPU has no bfloat16 kernels)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked copy of ``weight`` ``[out, in]`` for CPU products, or None where that path
-    does not apply (another device, another dtype, a torch built without oneDNN)."""
-    if (weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES
-            or not torch.backends.mkldnn.is_available()):
+    does not apply (another device, another dtype, a torch built without oneDNN). A bfloat16
+    weight on a CPU without bfloat16 kernels is packed as its float32 values (exact: every
+    bfloat16 is a float32), and its products computed in float32 (:func:`linear`)."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    if packs(weight.dtype):
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    if weight.dtype == torch.bfloat16 and packs(torch.float32):
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), None)
+    return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` ``[tokens, in]`` times ``weight`` ``[out, in]`` transposed, plus ``bias``, plus
-    ``residual`` ``[tokens, out]``: ``[tokens, out]``. ``packed`` is :func:`pack_weight`'s copy of
-    ``weight`` (used when given)."""
+    ``residual`` ``[tokens, out]``: ``[tokens, out]`` in ``x``'s dtype. ``packed`` is
+    :func:`pack_weight`'s copy of ``weight`` (used when given)."""
+    if _skinny(x, weight, bias, residual):
+        return torch.ops.kvledger_cpu.skinny_linear(x, weight, bias, residual)
+    if packed is not None and packed.dtype != x.dtype:  # bfloat16 through its float32 copy
+        if x.shape[0] > SMALL_BATCH_ROWS:
+            y = torch.ops.mkldnn._linear_pointwise(x.float(), packed, None if bias is None else bias.float(),
+                                                   "none", [], "").to(x.dtype)
+            return y if residual is None else y + residual
+        packed = None
     if packed is not None:
         if residual is not None:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     y = F.linear(x, weight, bias)
     return y if residual is None else y + residual
+
+
+def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None) -> bool:
+    """True when ``skinny_linear`` takes this product (eager, CPU, 1 to 4 rows, its dtypes and
+    layouts). Nothing about the shape is asked inside a compiled graph: a question about a
+    symbolic size would become a guard, and a graph per answer."""
+    if torch.compiler.is_compiling():
+        return False
+    return (x.device.type == "cpu" and x.dim() == 2 and 1 <= x.shape[0] <= SKINNY_ROWS
+            and x.dtype in cpu_kernels.KERNEL_DTYPES
+            and weight.dtype in cpu_kernels.KERNEL_DTYPES and x.is_contiguous() and weight.is_contiguous()
+            and (bias is None or bias.dtype == x.dtype) and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype))
+            and cpu_kernels.loaded()
+            and x.shape[1] % cpu_kernels.vector_width() == 0)
 
 
 class Linear(nn.Linear):

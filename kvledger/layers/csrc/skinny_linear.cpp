@@ -1,0 +1,141 @@
+// Products of a few rows (decode steps of a few sequences) read at the speed of memory.
+//
+// kvledger_cpu::skinny_linear(x, weight, bias?, residual?) -> y
+//   x        [M, K]  float32 or bfloat16, M at most 4, contiguous
+//   weight   [N, K]  float32 or bfloat16 (either with either), contiguous
+//   bias     [N]     x's dtype, or None
+//   residual [M, N]  x's dtype, or None
+//   y        [M, N]  x's dtype: y = x W^T (+ bias), accumulated in float32 and rounded once to
+//            x's dtype, then (+ residual) as a torch add of that dtype would.
+//
+// With a few rows the product is bound by reading the weight: every weight row is read once,
+// as a stream, and multiplied by the M input rows held in float32 in L1; the threads take
+// contiguous ranges of output rows. A bfloat16 weight is widened to float32 on the fly, so a
+// CPU without bfloat16 arithmetic reads half the bytes and computes in float32.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "float_vec.h"
+
+namespace {
+
+using kvledger_cpu::load_floats;
+using kvledger_cpu::Vec;
+constexpr int64_t kMaxRows = 4;
+
+inline float reduce(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+
+// Output rows [n0, n1) for all M input rows; R weight rows at a time.
+template <typename TW, int M, int R>
+void rows(const float* xf, const TW* w, int64_t K, int64_t n0, int64_t n1, float* acc_out) {
+  constexpr int64_t W = Vec::size();
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    Vec acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = Vec(0.f);
+    for (int64_t k = 0; k < K; k += W) {
+      Vec xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = Vec::loadu(xf + m * K + k);
+      for (int r = 0; r < R; ++r) {
+        const Vec wv = load_floats(w + (n + r) * K + k);
+        for (int m = 0; m < M; ++m) acc[r][m] = at::vec::fmadd(wv, xv[m], acc[r][m]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc_out[m * (n1 - n0) + (n + r - n0)] = reduce(acc[r][m]);
+  }
+  for (; n < n1; ++n) {
+    Vec acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = Vec(0.f);
+    for (int64_t k = 0; k < K; k += W) {
+      const Vec wv = load_floats(w + n * K + k);
+      for (int m = 0; m < M; ++m) acc[m] = at::vec::fmadd(wv, Vec::loadu(xf + m * K + k), acc[m]);
+    }
+    for (int m = 0; m < M; ++m) acc_out[m * (n1 - n0) + (n - n0)] = reduce(acc[m]);
+  }
+}
+
+template <typename TW, int M>
+void rows_any(const float* xf, const TW* w, int64_t K, int64_t n0, int64_t n1, float* acc_out) {
+  if constexpr (M <= 2) rows<TW, M, 4>(xf, w, K, n0, n1, acc_out);
+  else rows<TW, M, 2>(xf, w, K, n0, n1, acc_out);
+}
+
+template <typename TX, typename TW>
+void product(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+             const std::optional<at::Tensor>& residual, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  std::vector<float> xf(M * K);
+  const TX* xp = x.data_ptr<TX>();
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xp[i]);
+  const TW* wp = weight.data_ptr<TW>();
+  const TX* bp = bias ? bias->data_ptr<TX>() : nullptr;
+  const TX* rp = residual ? residual->data_ptr<TX>() : nullptr;
+  TX* yp = y.data_ptr<TX>();
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = std::max<int64_t>(16, (N + threads - 1) / threads);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    std::vector<float> acc(M * (n1 - n0));
+    switch (M) {
+      case 1: rows_any<TW, 1>(xf.data(), wp, K, n0, n1, acc.data()); break;
+      case 2: rows_any<TW, 2>(xf.data(), wp, K, n0, n1, acc.data()); break;
+      case 3: rows_any<TW, 3>(xf.data(), wp, K, n0, n1, acc.data()); break;
+      default: rows_any<TW, 4>(xf.data(), wp, K, n0, n1, acc.data()); break;
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t n = n0; n < n1; ++n) {
+        float v = acc[m * (n1 - n0) + (n - n0)];
+        if (bp) v += static_cast<float>(bp[n]);
+        TX out = static_cast<TX>(v);
+        if (rp) out = static_cast<TX>(static_cast<float>(out) + static_cast<float>(rp[m * N + n]));
+        yp[m * N + n] = out;
+      }
+    }
+  });
+}
+
+template <typename TX>
+void dispatch_weight(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                     const std::optional<at::Tensor>& residual, at::Tensor& y) {
+  if (weight.scalar_type() == at::kFloat) product<TX, float>(x, weight, bias, residual, y);
+  else product<TX, c10::BFloat16>(x, weight, bias, residual, y);
+}
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "skinny_linear: x must be a contiguous [M, K]");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "skinny_linear: 1 to ", kMaxRows, " rows, got ", x.size(0));
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1),
+              "skinny_linear: weight must be a contiguous [N, K]");
+  TORCH_CHECK(x.size(1) % Vec::size() == 0, "skinny_linear: K must be a multiple of ", Vec::size());
+  const auto xt = x.scalar_type(), wt = weight.scalar_type();
+  TORCH_CHECK((xt == at::kFloat || xt == at::kBFloat16) && (wt == at::kFloat || wt == at::kBFloat16),
+              "skinny_linear: float32 or bfloat16 only");
+  if (bias) TORCH_CHECK(bias->scalar_type() == xt && bias->is_contiguous() && bias->numel() == weight.size(0),
+                        "skinny_linear: bias must be [N] of x's dtype");
+  if (residual) TORCH_CHECK(residual->scalar_type() == xt && residual->is_contiguous()
+                                && residual->size(0) == x.size(0) && residual->size(1) == weight.size(0),
+                            "skinny_linear: residual must be a contiguous [M, N] of x's dtype");
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  if (xt == at::kFloat) dispatch_weight<float>(x, weight, bias, residual, y);
+  else dispatch_weight<c10::BFloat16>(x, weight, bias, residual, y);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvledger_cpu, m) {
+  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? residual) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) { m.impl("skinny_linear", &skinny_linear); }
