@@ -20,7 +20,7 @@ When: only when asked for, with ``KVLEDGER_COMPILE=1`` in the environment, and n
 on quiet cores the compiled step gave float32 14-25% more throughput (BENCHMARKS.md), but the
 first step of each of the two shapes pays the compile (tens of seconds on 2 cores; less when
 inductor's on-disk cache already holds the kernels), which a short ``generate`` never earns
-back. Under the compiled step bfloat16 layers multiply by the plain weights
+back. Under the compiled step the layers multiply by the plain weights
 (:attr:`kvledger.layers.linear.Linear.kernel_weight`).
 The tests of the compiled path set the variable.
 If compiling fails (no C++ compiler,

@@ -5,13 +5,13 @@ our own for a few rows.
   ``skinny_linear`` (:mod:`kvledger.layers.cpu_kernels`) streams the plain weight once and
   multiplies it by the rows held in float32, float32 or bfloat16 weights, so the product runs at
   the speed of reading the weight.
-* **More rows**: ``torch.ops.mkldnn._linear_pointwise`` on the weight reordered once, at load
-  (:meth:`Linear.pack`), into oneDNN's blocked layout: no per-call reorder, and the kernels
-  oneDNN picks for the CPU (AMX where it has it). A residual can be added in the same kernel.
-  vLLM's CPU backend sends its dense products through oneDNN too. On a CPU without bfloat16
-  kernels (AVX2 only: oneDNN refuses to reorder a bfloat16 weight there, and torch's own
-  bfloat16 product runs at about 15 GFLOP/s) a bfloat16 weight is packed as its float32 values
-  and the product computed in float32, rounded once to bfloat16.
+* **More rows**, bfloat16: ``torch.ops.mkldnn._linear_pointwise`` on the weight reordered once,
+  at load (:meth:`Linear.pack`), into oneDNN's blocked layout: no per-call reorder, and the
+  kernels oneDNN picks for the CPU (AMX where it has it). A residual can be added in the same
+  kernel. On a CPU without bfloat16 kernels (AVX2 only: oneDNN refuses to reorder a bfloat16
+  weight there, and torch's own bfloat16 product runs at about 15 GFLOP/s) the weight is packed
+  as its float32 values and the product computed in float32, rounded once to bfloat16.
+* **More rows**, float32: ``F.linear`` (MKL), unless :data:`PACKED_FLOAT32` (see there).
 * Elsewhere (other devices, other dtypes, inside a ``torch.compile`` graph): ``F.linear``.
 
 Measured on an AVX2 AMD EPYC (2 threads, SmolLM2's four projection shapes of all 30 layers, so
@@ -21,8 +21,8 @@ the weights come from memory; medians): float32 ``F.linear`` (MKL) 48.6 / 96.7 /
 weights). On a Xeon with AMX (1 thread, one layer's shapes) float32 was even between MKL and
 oneDNN (9.6 / 64.7 / 371 ms against 11.0 / 56.7 / 385 ms at 1 / 64 / 512 rows) and bfloat16
 prepacked beat ``F.linear`` (6.4 against 8.3 ms at 1 row, 10.1 against 17.1 at 64). The prepacked
-copy is kept beside the plain weight (which the few-row kernel and compiled graphs read), so the
-projections' weights take twice their bytes (three times for bfloat16 on an AVX2 CPU).
+copy is kept beside the plain weight (which the few-row kernel and compiled graphs read), so a
+bfloat16 model's projections take twice their bytes (three times on an AVX2 CPU).
 """
 
 
@@ -41,9 +41,15 @@ SMALL_BATCH_ROWS = 2
 weight (half the bytes of its float32 copy, and a product of a few rows is bound by them)."""
 
 
+PACKED_FLOAT32 = False
+"""float32 models keep torch's ``F.linear`` (MKL) above :data:`SKINNY_ROWS` rows: oneDNN's
+prepacked product is 1.2-2x faster on an AVX2 AMD EPYC, but its copy doubles the weights' memory,
+and with it the test suite's two workers ran this 24 GiB machine out of memory."""
+
+
 def packs(dtype: torch.dtype) -> bool:
-    """True when this CPU's oneDNN reorders and multiplies ``dtype`` weights itself: float32
-    always, bfloat16 only with AVX-512 or AVX-NE-CONVERT (an AVX2-only CPU has no bfloat16 kernels)."""
+    """True when this CPU's oneDNN reorders and multiplies ``dtype`` weights itself: bfloat16 only
+    with AVX-512 or AVX-NE-CONVERT (an AVX2-only CPU has no bfloat16 kernels); float32 always."""
     if not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.float32:
@@ -57,6 +63,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     weight on a CPU without bfloat16 kernels is packed as its float32 values (exact: every
     bfloat16 is a float32), and its products computed in float32 (:func:`linear`)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if weight.dtype == torch.float32 and not PACKED_FLOAT32:
         return None
     if packs(weight.dtype):
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
