@@ -35,6 +35,10 @@ class Reference:
     prompts: list[list[int]]
     outputs: list[list[int]]
     logits: dict[int, "object"] = field(default_factory=dict)  # prompt index -> [NEW_TOKENS, vocab] tensor
+    runner_ups: list[list[int]] = field(default_factory=list)
+    """Per prompt and step: the token with the second-largest logit."""
+    margins: list[list[float]] = field(default_factory=list)
+    """Per prompt and step: the largest logit minus the second largest (how near a tie greedy was)."""
 
 
 def build_prompts(tokenizer) -> list[list[int]]:
@@ -85,7 +89,11 @@ def build_reference() -> Reference:
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
                                  pad_token_id=2, output_logits=True, return_dict_in_generate=True)
             ref.outputs.append(out.sequences[0, len(prompt):].tolist())
+            logits = torch.cat(out.logits, dim=0).float()
+            top2 = logits.topk(2, dim=-1)
+            ref.runner_ups.append(top2.indices[:, 1].tolist())
+            ref.margins.append((top2.values[:, 0] - top2.values[:, 1]).tolist())
             if i in LOGIT_PROMPTS:
-                ref.logits[i] = torch.cat(out.logits, dim=0).float()
+                ref.logits[i] = logits
     del model
     return ref
