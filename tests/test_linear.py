@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from kvledger.layers import cpu_kernels
-from kvledger.layers.linear import PACKED_FLOAT32, SKINNY_ROWS, SMALL_BATCH_ROWS, Linear, linear, pack_weight, packs
+from kvledger.layers.linear import (PACKED_FLOAT32, PLAIN_FLOAT32, SKINNY_ROWS, SMALL_BATCH_ROWS, Linear, linear,
+                                    pack_weight, packs)
 
 needs_onednn = pytest.mark.skipif(not packs(torch.float32), reason="torch built without oneDNN")
 
@@ -28,6 +29,22 @@ def test_float32_prepacked_product_matches_f_linear(rows: int) -> None:
     packed = torch.ops.mkldnn._reorder_linear_weight(w, None)  # what pack_weight gives with PACKED_FLOAT32
     torch.testing.assert_close(linear(x, w, b, packed), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(linear(x, w, None, packed, residual=r), F.linear(x, w) + r, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [SKINNY_ROWS + 1, 17, 512])
+def test_float32_plain_onednn_product_matches_f_linear(rows: int) -> None:
+    """Above the few-row kernel's rows a float32 product goes to oneDNN with the plain weight
+    (PLAIN_FLOAT32): float32 arithmetic in another order, so within float32's rounding of F.linear."""
+    assert PLAIN_FLOAT32
+    x, w, b, r = _operands(rows, torch.float32)
+    y = linear(x, w, b)
+    assert y.dtype == torch.float32 and y.shape == (rows, 80)
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x, w, None, residual=r), F.linear(x, w) + r, rtol=1e-5, atol=1e-5)
+    # a transposed weight is not contiguous: torch's own product takes it, with the same result
+    wt = w.t().contiguous().t()
+    torch.testing.assert_close(linear(x, wt, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 @needs_onednn

@@ -1,7 +1,7 @@
 """Tensor parallelism: TP N against TP 1 step by step, per-rank cache bytes, a rank that dies.
 
 SmolLM2-135M at TP 3 (9 query heads, 3 KV heads: one per rank) runs in lockstep beside a TP-1
-engine of the same configuration: every step's logits within 1e-4, the same greedy tokens, the
+engine of the same configuration: every step's logits within 5e-6 of the largest one, the same greedy tokens, the
 same preemptions (the pool is too small for the whole batch). A
 random-weight Llama with one KV head runs at TP 2 (the head replicated on both ranks) through the
 real CLI. Each rank's cache tensors weigh what ``kv-bytes --tensor-parallel-size N`` prints.
@@ -30,16 +30,17 @@ NEW_TOKENS = 32
 ENGINE_ARGS = dict(model="smollm2-135m", dtype="float32", num_gpu_blocks_override=30, max_num_batched_tokens=256)
 
 
-def _lockstep(a, b, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+def _lockstep(a, b, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, int]:
     """Run engines ``a`` and ``b`` on the same greedy requests one step at a time; assert the same
-    tokens every step; return the largest logit difference seen and the steps run."""
+    tokens every step; return the largest logit difference seen, the largest logit (its
+    magnitude) and the steps run."""
     from kvledger import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for i, ids in enumerate(prompts):
         a.add_request(str(i), ids, sp)
         b.add_request(str(i), ids, sp)
-    worst, steps = 0.0, 0
+    worst, scale, steps = 0.0, 0.0, 0
     while a.has_unfinished_requests():
         out_a, out_b = a.step(), b.step()
         steps += 1
@@ -47,8 +48,9 @@ def _lockstep(a, b, prompts: list[list[int]], max_tokens: int) -> tuple[float, i
         la, lb = a.runner.last_logits, b.runner.last_logits
         assert la.shape == lb.shape
         worst = max(worst, (la - lb).abs().max().item())
+        scale = max(scale, la.abs().max().item())
     assert not b.has_unfinished_requests()
-    return worst, steps
+    return worst, scale, steps
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +70,12 @@ def test_smollm2_tp3_matches_tp1_step_by_step(tp3):
 
     tp1 = LLMEngine(EngineConfig(**ENGINE_ARGS))
     prompts = [tp1.tokenizer.encode(p) for p in PROMPTS]
-    worst, steps = _lockstep(tp1, tp3, prompts, NEW_TOKENS)
+    worst, scale, steps = _lockstep(tp1, tp3, prompts, NEW_TOKENS)
     assert steps >= NEW_TOKENS
-    assert worst <= 1e-4, f"per-step logits differ by up to {worst:.2e}"
+    # float32 summed in another order (a rank's share of each product, then the all-reduce). The
+    # difference follows the products' own rounding: 8e-5 with MKL's (median relative error of a
+    # product 2.5e-7 against float64) and 1.4e-4 with oneDNN's (4.5e-7), against logits up to 46
+    assert worst <= 5e-6 * scale, f"per-step logits differ by up to {worst:.2e} (largest logit {scale:.1f})"
     assert tp3.scheduler.num_preemptions == tp1.scheduler.num_preemptions > 0
     # every block back in the pool, on the one pool rank 0 keeps for all ranks
     assert tp3.pool.num_free_blocks == tp3.pool.num_blocks

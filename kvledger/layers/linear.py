@@ -4,21 +4,28 @@ our own for a few rows.
 * **At most four rows** (a decode step of a few sequences, the LM head of a step): kvledger's
   ``skinny_linear`` (:mod:`kvledger.layers.cpu_kernels`) streams the plain weight once and
   multiplies it by the rows held in float32, float32 or bfloat16 weights, so the product runs at
-  the speed of reading the weight.
+  the speed of reading the weight. Not for a bfloat16 weight that oneDNN packed as bfloat16 (a
+  CPU with AVX512-BF16 or AMX): its own kernels read it faster at any row count (below).
 * **More rows**, bfloat16: ``torch.ops.mkldnn._linear_pointwise`` on the weight reordered once,
   at load (:meth:`Linear.pack`), into oneDNN's blocked layout: no per-call reorder, and the
   kernels oneDNN picks for the CPU (AMX where it has it). A residual can be added in the same
   kernel. On a CPU without bfloat16 kernels (AVX2 only: oneDNN refuses to reorder a bfloat16
   weight there, and torch's own bfloat16 product runs at about 15 GFLOP/s) the weight is packed
   as its float32 values and the product computed in float32, rounded once to bfloat16.
-* **More rows**, float32: ``F.linear`` (MKL), unless :data:`PACKED_FLOAT32` (see there).
+* **More rows**, float32: oneDNN's ``_linear_pointwise`` on the plain weight
+  (:data:`PLAIN_FLOAT32`): no second copy of the weights, and 1.4-1.9x MKL's ``F.linear`` on an
+  AMD EPYC. :data:`PACKED_FLOAT32` would prepack it too (faster still, at twice the bytes).
 * Elsewhere (other devices, other dtypes, inside a ``torch.compile`` graph): ``F.linear``.
 
 Measured on an AVX2 AMD EPYC (2 threads, SmolLM2's four projection shapes of all 30 layers, so
 the weights come from memory; medians): float32 ``F.linear`` (MKL) 48.6 / 96.7 / 120.7 / 287.6 /
 1198 ms at 1 / 4 / 16 / 64 / 512 rows, oneDNN prepacked 40.6 / 46.8 / 64.4 / 208.4 / 877 ms,
 ``skinny_linear`` 29.5 ms at 1 row and 36.0 at 4 (float32 weights), 21.5 and 28.5 ms (bfloat16
-weights). On a Xeon with AMX (1 thread, one layer's shapes) float32 was even between MKL and
+weights). On an AMD EPYC with AVX-512 and AVX512-BF16 (Zen 4), same shapes: float32 ``F.linear``
+57.8 / 79.4 / 72.9 / 192.8 / 941 ms, oneDNN on the plain weight 41.2 / 42.6 / 56.2 / 131.8 /
+664, prepacked 43.1 / 27.7 / 35.6 / 103.4 / 608, ``skinny_linear`` 26.7 at 1 row and 32.6 at 4;
+bfloat16 prepacked 17.4 / 16.7 / 19.4 / 52.0 / 308 against ``skinny_linear``'s 18.3 and 23.0 at
+1 and 4 rows. On a Xeon with AMX (1 thread, one layer's shapes) float32 was even between MKL and
 oneDNN (9.6 / 64.7 / 371 ms against 11.0 / 56.7 / 385 ms at 1 / 64 / 512 rows) and bfloat16
 prepacked beat ``F.linear`` (6.4 against 8.3 ms at 1 row, 10.1 against 17.1 at 64). The prepacked
 copy is kept beside the plain weight (which the few-row kernel and compiled graphs read), so a
@@ -42,9 +49,16 @@ weight (half the bytes of its float32 copy, and a product of a few rows is bound
 
 
 PACKED_FLOAT32 = False
-"""float32 models keep torch's ``F.linear`` (MKL) above :data:`SKINNY_ROWS` rows: oneDNN's
-prepacked product is 1.2-2x faster on an AVX2 AMD EPYC, but its copy doubles the weights' memory,
-and with it the test suite's two workers ran this 24 GiB machine out of memory."""
+"""float32 weights are not prepacked: oneDNN's prepacked product is 1.2-2x MKL's on an AVX2 AMD
+EPYC and 1.1-1.6x its product on the plain weight on an AVX-512 one, but its copy doubles the
+weights' memory, and with it the test suite's two workers ran a 24 GiB machine out of memory."""
+
+
+PLAIN_FLOAT32 = True
+"""float32 products above :data:`SKINNY_ROWS` rows go to oneDNN with the plain weight (no second
+copy): on an AMD EPYC with AVX-512 (Zen 4, 2 threads, SmolLM2's four projection shapes of all
+30 layers, medians) 42.6 / 56.2 / 131.8 / 664 ms at 4 / 16 / 64 / 512 rows against MKL's
+``F.linear`` 79.4 / 72.9 / 192.8 / 941 ms (prepacked: 27.7 / 35.6 / 103.4 / 608)."""
 
 
 def packs(dtype: torch.dtype) -> bool:
@@ -78,8 +92,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``x`` ``[tokens, in]`` times ``weight`` ``[out, in]`` transposed, plus ``bias``, plus
     ``residual`` ``[tokens, out]``: ``[tokens, out]`` in ``x``'s dtype. ``packed`` is
     :func:`pack_weight`'s copy of ``weight`` (used when given)."""
-    if _skinny(x, weight, bias, residual):
+    native_bfloat16 = packed is not None and packed.dtype == x.dtype == torch.bfloat16
+    if not native_bfloat16 and _skinny(x, weight, bias, residual):
         return torch.ops.kvledger_cpu.skinny_linear(x, weight, bias, residual)
+    if packed is None and _plain_float32(x, weight, bias, residual):
+        packed = weight  # oneDNN multiplies the plain float32 weight as it lies
     if packed is not None and packed.dtype != x.dtype:  # bfloat16 through its float32 copy
         if x.shape[0] > SMALL_BATCH_ROWS:
             y = torch.ops.mkldnn._linear_pointwise(x.float(), packed, None if bias is None else bias.float(),
@@ -106,6 +123,18 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
             and (bias is None or bias.dtype == x.dtype) and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype))
             and cpu_kernels.loaded()
             and x.shape[1] % cpu_kernels.vector_width() == 0)
+
+
+def _plain_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   residual: torch.Tensor | None) -> bool:
+    """True when a float32 product goes to oneDNN with the plain weight: eager, on a CPU with
+    oneDNN, contiguous float32 operands (:data:`PLAIN_FLOAT32`)."""
+    if not PLAIN_FLOAT32 or torch.compiler.is_compiling():
+        return False
+    return (x.device.type == "cpu" and x.dim() == 2 and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.is_contiguous() and weight.is_contiguous() and (bias is None or bias.dtype == torch.float32)
+            and (residual is None or (residual.is_contiguous() and residual.dtype == torch.float32))
+            and packs(torch.float32))
 
 
 class Linear(nn.Linear):
