@@ -7,8 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvledger.layers import cpu_kernels
-from kvledger.layers.linear import (PACKED_FLOAT32, PLAIN_FLOAT32, SKINNY_ROWS, SMALL_BATCH_ROWS, Linear, linear,
-                                    pack_weight, packs)
+from kvledger.layers.linear import PLAIN_FLOAT32, SKINNY_ROWS, SMALL_BATCH_ROWS, Linear, linear, pack_weight, packs
 
 needs_onednn = pytest.mark.skipif(not packs(torch.float32), reason="torch built without oneDNN")
 
@@ -26,7 +25,7 @@ def _operands(rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor
 @pytest.mark.parametrize("rows", [1, 3, 17, 64])
 def test_float32_prepacked_product_matches_f_linear(rows: int) -> None:
     x, w, b, r = _operands(rows, torch.float32)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)  # what pack_weight gives with PACKED_FLOAT32
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)  # prepacked by hand: pack_weight leaves float32 plain
     torch.testing.assert_close(linear(x, w, b, packed), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(linear(x, w, None, packed, residual=r), F.linear(x, w) + r, rtol=1e-5, atol=1e-5)
 
@@ -67,10 +66,10 @@ def test_bfloat16_product_through_a_float32_copy(rows: int) -> None:
 
 
 def test_pack_weight_follows_the_cpu() -> None:
-    """float32 is not packed (PACKED_FLOAT32 is off); bfloat16 packed as itself where the CPU has
+    """float32 is not packed (PLAIN_FLOAT32 multiplies it as it lies); bfloat16 packed as itself where the CPU has
     bfloat16 kernels and as its float32 values elsewhere; other dtypes not at all."""
     w = torch.randn(8, 16)
-    assert (pack_weight(w) is not None) == (PACKED_FLOAT32 and packs(torch.float32))
+    assert pack_weight(w) is None
     assert pack_weight(w.half()) is None
     packed = pack_weight(w.bfloat16())
     if packs(torch.bfloat16):

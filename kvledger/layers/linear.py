@@ -14,7 +14,7 @@ our own for a few rows.
   as its float32 values and the product computed in float32, rounded once to bfloat16.
 * **More rows**, float32: oneDNN's ``_linear_pointwise`` on the plain weight
   (:data:`PLAIN_FLOAT32`): no second copy of the weights, and 1.4-1.9x MKL's ``F.linear`` on an
-  AMD EPYC. :data:`PACKED_FLOAT32` would prepack it too (faster still, at twice the bytes).
+  AMD EPYC. float32 weights are not prepacked (see :data:`PLAIN_FLOAT32`).
 * Elsewhere (other devices, other dtypes, inside a ``torch.compile`` graph): ``F.linear``.
 
 Measured on an AVX2 AMD EPYC (2 threads, SmolLM2's four projection shapes of all 30 layers, so
@@ -48,17 +48,13 @@ SMALL_BATCH_ROWS = 2
 weight (half the bytes of its float32 copy, and a product of a few rows is bound by them)."""
 
 
-PACKED_FLOAT32 = False
-"""float32 weights are not prepacked: oneDNN's prepacked product is 1.2-2x MKL's on an AVX2 AMD
-EPYC and 1.1-1.6x its product on the plain weight on an AVX-512 one, but its copy doubles the
-weights' memory, and with it the test suite's two workers ran a 24 GiB machine out of memory."""
-
-
 PLAIN_FLOAT32 = True
-"""float32 products above :data:`SKINNY_ROWS` rows go to oneDNN with the plain weight (no second
-copy): on an AMD EPYC with AVX-512 (Zen 4, 2 threads, SmolLM2's four projection shapes of all
-30 layers, medians) 42.6 / 56.2 / 131.8 / 664 ms at 4 / 16 / 64 / 512 rows against MKL's
-``F.linear`` 79.4 / 72.9 / 192.8 / 941 ms (prepacked: 27.7 / 35.6 / 103.4 / 608)."""
+"""float32 products above :data:`SKINNY_ROWS` rows go to oneDNN with the plain weight: on an AMD
+EPYC with AVX-512 (Zen 4, 2 threads, SmolLM2's four projection shapes of all 30 layers, medians)
+42.6 / 56.2 / 131.8 / 664 ms at 4 / 16 / 64 / 512 rows against MKL's ``F.linear`` 79.4 / 72.9 /
+192.8 / 941 ms. float32 weights are not prepacked: the prepacked product (27.7 / 35.6 / 103.4 /
+608 ms) made the engine only about 7% faster on a workload, for a second copy of the weights
+(with it, the test suite's two workers once ran a 24 GiB machine out of memory)."""
 
 
 def packs(dtype: torch.dtype) -> bool:
@@ -78,11 +74,11 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     bfloat16 is a float32), and its products computed in float32 (:func:`linear`)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if weight.dtype == torch.float32 and not PACKED_FLOAT32:
+    if weight.dtype != torch.bfloat16:  # float32 is multiplied as it lies (PLAIN_FLOAT32)
         return None
-    if packs(weight.dtype):
+    if packs(torch.bfloat16):
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    if weight.dtype == torch.bfloat16 and packs(torch.float32):
+    if packs(torch.float32):
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), None)
     return None
 
@@ -111,29 +107,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y if residual is None else y + residual
 
 
-def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None) -> bool:
-    """True when ``skinny_linear`` takes this product (eager, CPU, 1 to 4 rows, its dtypes and
-    layouts). Nothing about the shape is asked inside a compiled graph: a question about a
-    symbolic size would become a guard, and a graph per answer."""
+def _eager_cpu_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        residual: torch.Tensor | None) -> bool:
+    """True for what the CPU kernels below take: eager (nothing about the shape is asked inside a
+    compiled graph, where a question about a symbolic size would become a guard, and a graph per
+    answer), on CPU, a contiguous ``[tokens, in]`` and weight, bias and residual of x's dtype."""
     if torch.compiler.is_compiling():
         return False
-    return (x.device.type == "cpu" and x.dim() == 2 and 1 <= x.shape[0] <= SKINNY_ROWS
-            and x.dtype in cpu_kernels.KERNEL_DTYPES
-            and weight.dtype in cpu_kernels.KERNEL_DTYPES and x.is_contiguous() and weight.is_contiguous()
-            and (bias is None or bias.dtype == x.dtype) and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype))
-            and cpu_kernels.loaded()
-            and x.shape[1] % cpu_kernels.vector_width() == 0)
+    return (x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous() and weight.is_contiguous()
+            and (bias is None or bias.dtype == x.dtype)
+            and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype)))
+
+
+def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None) -> bool:
+    """True when ``skinny_linear`` takes this product (1 to 4 rows, its dtypes and layouts)."""
+    return (_eager_cpu_operands(x, weight, bias, residual) and 1 <= x.shape[0] <= SKINNY_ROWS
+            and x.dtype in cpu_kernels.KERNEL_DTYPES and weight.dtype in cpu_kernels.KERNEL_DTYPES
+            and cpu_kernels.loaded() and x.shape[1] % cpu_kernels.vector_width() == 0)
 
 
 def _plain_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    residual: torch.Tensor | None) -> bool:
-    """True when a float32 product goes to oneDNN with the plain weight: eager, on a CPU with
-    oneDNN, contiguous float32 operands (:data:`PLAIN_FLOAT32`)."""
-    if not PLAIN_FLOAT32 or torch.compiler.is_compiling():
-        return False
-    return (x.device.type == "cpu" and x.dim() == 2 and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and x.is_contiguous() and weight.is_contiguous() and (bias is None or bias.dtype == torch.float32)
-            and (residual is None or (residual.is_contiguous() and residual.dtype == torch.float32))
+    """True when a float32 product goes to oneDNN with the plain weight (:data:`PLAIN_FLOAT32`)."""
+    return (PLAIN_FLOAT32 and x.dtype == weight.dtype == torch.float32 and _eager_cpu_operands(x, weight, bias, residual)
             and packs(torch.float32))
 
 
