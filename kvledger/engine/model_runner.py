@@ -18,7 +18,7 @@ from kvledger.engine.block_pool import blocks_for
 from kvledger.engine.kv_cache_manager import KVCacheGroup, first_live_block
 from kvledger.engine.compile import ModelStep
 from kvledger.engine.scheduler import SchedulerOutput, ScheduledRequest
-from kvledger.layers import paged_decode
+from kvledger.layers import paged_decode, paged_prefill
 from kvledger.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from kvledger.layers.paged_kv import KVCache
 from kvledger.models.llama import LlamaForCausalLM
@@ -38,6 +38,9 @@ class ModelRunner:
             cache.storage.device, cache.dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim)
         """Decodes read K/V in place with the CPU kernel (:mod:`kvledger.layers.paged_decode`) rather
         than gathering them."""
+        self.prefill_in_place = attn is not None and not cache.quantized and paged_prefill.supports(
+            cache.storage.device, cache.dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        """Prefill chunks read K/V in place with the CPU kernel (:mod:`kvledger.layers.paged_prefill`)."""
         self.last_logits: torch.Tensor | None = None  # [samplers, vocab] of the latest step (tests read it)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
@@ -74,7 +77,8 @@ class ModelRunner:
                 block_offsets.append(len(blocks) - start // bs)
                 blocks.extend(tables[s.request.request_id][start // bs:blocks_for(start + n, bs)])
             positions, slots = self._positions_and_slots(starts, counts, blocks, block_offsets)
-            meta = AttentionMetadata(slot_mapping=slots, decode_in_place=self.decode_in_place)
+            meta = AttentionMetadata(slot_mapping=slots, decode_in_place=self.decode_in_place,
+                                     prefill_in_place=self.prefill_in_place)
             start = 0
             lengths = [s.request.num_computed_tokens + 1 for s in decodes]
             for end in _group_bounds([min(n, window + bs) for n in lengths] if window else lengths):

@@ -14,9 +14,12 @@ first (:meth:`KVCache.write`), then attention runs:
   unquantized cache goes through SDPA; an 8-bit cache hands over its values widened but
   unscaled (:class:`DecodeKV`) and :func:`decode_attention` applies the scales to the scores
   and the probabilities, so the context is never dequantized into a full-size copy;
-* a prefill chunk that starts at position 0: causal SDPA over its own fresh K/V;
-* a later chunk (chunked prefill, prefix-cache hit, recompute): SDPA over K/V gathered through
-  its block table with a causal mask offset by the tokens already in the cache.
+* prefill chunks: on CPU, over a cache that stores the compute dtype, the prefill kernel reads
+  K/V in place for a first chunk and a later one alike (:mod:`kvledger.layers.paged_prefill`;
+  ``AttentionMetadata.prefill_in_place``). Otherwise a chunk that starts at position 0 runs
+  causal SDPA over its own fresh K/V, and a later chunk (chunked prefill, prefix-cache hit,
+  recompute) SDPA over K/V gathered through its block table with a causal mask offset by the
+  tokens already in the cache.
 
 Sliding-window layers (Gemma-3) get metadata of their own KV group: its block tables start at
 the first block the window reaches (``gather_start`` tokens in), and the masks also hide every
@@ -42,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from kvledger.layers.paged_decode import paged_decode_attention
+from kvledger.layers.paged_prefill import paged_prefill_attention
 from kvledger.layers.paged_kv import DecodeKV, KVCache
 
 
@@ -55,6 +59,7 @@ class PrefillChunk:
     block_table: torch.Tensor  # [1, blocks covering num_computed + (end - start) tokens, from gather_start]
     mask: torch.Tensor | None  # [1, 1, n, ctx] bool when num_computed > 0 (or a window cuts in)
     gather_start: int = 0  # the position of the table's first slot (a whole number of blocks)
+    sliding: bool = False  # a sliding window hides keys of this chunk: its mask is more than causal
 
     @classmethod
     def causal(cls, start: int, n: int, num_computed: int, block_table: torch.Tensor) -> "PrefillChunk":
@@ -80,7 +85,7 @@ class PrefillChunk:
         q_pos = torch.arange(num_computed, ctx, device=device)[:, None]
         k_pos = torch.arange(gather_start, ctx, device=device)[None, :]
         mask = ((k_pos <= q_pos) & (k_pos > q_pos - window)).view(1, 1, n, ctx - gather_start)
-        return cls(start, start + n, num_computed, block_table, mask, gather_start)
+        return cls(start, start + n, num_computed, block_table, mask, gather_start, sliding=True)
 
 
 @dataclass
@@ -123,6 +128,9 @@ class AttentionMetadata:
     decode_in_place: bool = False
     """Decode groups with ``context_lens`` read their K/V in place (:mod:`kvledger.layers.paged_decode`)
     instead of gathering them; set by the model runner where the kernel serves the cache."""
+    prefill_in_place: bool = False
+    """Prefill chunks without a sliding window read their K/V in place (:mod:`kvledger.layers.paged_prefill`)
+    instead of SDPA over fresh or gathered K/V; set by the model runner where the kernel serves the cache."""
 
 
 @dataclass
@@ -190,6 +198,11 @@ def _paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         kv = cache.gather_decode(layer, group.block_tables, group.max_len)
         out[group.start:group.end] = decode_attention(q[group.start:group.end], kv, group.mask, scale)
     for chunk in meta.prefills:
+        if meta.prefill_in_place and not chunk.sliding:
+            pools = cache.storage[layer]
+            paged_prefill_attention(q[chunk.start:chunk.end], pools[0], pools[1], chunk.block_table,
+                                    chunk.num_computed, scale, out=out[chunk.start:chunk.end])
+            continue
         qc = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
         if chunk.num_computed == 0 and not cache.read_back_fresh:
             kc = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)

@@ -1,9 +1,11 @@
 """kvledger's own CPU kernels (``csrc/``), built once per machine on first use, as ``torch.ops.kvledger_cpu``.
 
-Three kernels, each where torch's general ones leave this CPU idle:
+Four kernels, each where torch's general ones leave this CPU idle:
 
 * ``paged_decode`` (``csrc/paged_decode.cpp``): decode attention reading K/V where they lie in
   the paged cache (:mod:`kvledger.layers.paged_decode`);
+* ``paged_prefill`` (``csrc/paged_prefill.cpp``): causal attention of a prefill chunk reading
+  K/V where they lie in the paged cache (:mod:`kvledger.layers.paged_prefill`);
 * ``rms_norm`` (``csrc/rms_norm.cpp``): RMSNorm in one call (:mod:`kvledger.layers.rmsnorm`);
 * ``skinny_linear`` (``csrc/skinny_linear.cpp``): a projection of at most four rows (a decode
   step of a few sequences) streaming its weight at memory speed (:mod:`kvledger.layers.linear`).
@@ -12,7 +14,7 @@ They are compiled with the C++ compiler that ``torch.compile`` needs too
 (``torch.utils.cpp_extension``), for the vector instructions inductor picks for this CPU, in
 about 20 s; torch caches the build on disk, keyed by the sources and flags. Where they cannot
 be built (no compiler), or with ``KVLEDGER_CPU_KERNELS=0``, the engine runs torch's own
-operators (gathered K/V and SDPA, the composite norm, oneDNN's or MKL's products) and says why once in its log.
+operators (SDPA over fresh or gathered K/V, the composite norm, oneDNN's or MKL's products) and says why once in its log.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 CPU_KERNELS_ENV = "KVLEDGER_CPU_KERNELS"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes the kernels compute in."""
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "rms_norm.cpp", "skinny_linear.cpp")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "rms_norm.cpp", "skinny_linear.cpp")]
 
 log = logging.getLogger("kvledger.engine")
 
@@ -87,3 +89,13 @@ def vector_width() -> int:
 def reason() -> str | None:
     """Why the kernels are not loaded, or None."""
     return None if loaded() else str(_state.get("reason"))
+
+
+def attention_operands(q: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` with its last dimension contiguous and the output ``[..., d]`` the attention kernels
+    write (``out``, or a new tensor like ``q``), the kernels loaded (a tensor-parallel rank may
+    reach a kernel without having asked whether it is supported)."""
+    loaded()
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return (q if q.stride(-1) == 1 else q.contiguous()), out

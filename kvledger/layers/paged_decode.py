@@ -47,10 +47,6 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     ``b`` over the first ``context_lens[b]`` positions of the blocks ``block_tables[b]``
     (``[B, blocks]`` int64, padded past a sequence's last block) of ``k_pool``/``v_pool``
     (``[num_blocks, block_size, H_kv, d]``). Only where :func:`supports` said so."""
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    cpu_kernels.loaded()  # loads them in a process that did not ask supports() (a tensor-parallel rank)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, out = cpu_kernels.attention_operands(q, out)
     torch.ops.kvledger_cpu.paged_decode(out, q, k_pool, v_pool, block_tables, context_lens, scale)
     return out
