@@ -1,12 +1,15 @@
 """kvledger's own CPU kernels (``csrc/``), built once per machine on first use, as ``torch.ops.kvledger_cpu``.
 
-Four kernels, each where torch's general ones leave this CPU idle:
+Six kernels, each where torch's general ones leave this CPU idle:
 
 * ``paged_decode`` (``csrc/paged_decode.cpp``): decode attention reading K/V where they lie in
   the paged cache (:mod:`kvledger.layers.paged_decode`);
 * ``paged_prefill`` (``csrc/paged_prefill.cpp``): causal attention of a prefill chunk reading
   K/V where they lie in the paged cache (:mod:`kvledger.layers.paged_prefill`);
 * ``rms_norm`` (``csrc/rms_norm.cpp``): RMSNorm in one call (:mod:`kvledger.layers.rmsnorm`);
+* ``rotary`` (``csrc/rotary.cpp``) and ``silu_and_mul`` (``csrc/silu_and_mul.cpp``): RoPE and
+  SwiGLU's gate in one call each, equal to the torch operators they replace
+  (:mod:`kvledger.layers.rotary`, :mod:`kvledger.layers.activation`);
 * ``skinny_linear`` (``csrc/skinny_linear.cpp``): a projection of at most four rows (a decode
   step of a few sequences) streaming its weight at memory speed (:mod:`kvledger.layers.linear`).
 
@@ -14,7 +17,7 @@ They are compiled with the C++ compiler that ``torch.compile`` needs too
 (``torch.utils.cpp_extension``), for the vector instructions inductor picks for this CPU, in
 about 20 s; torch caches the build on disk, keyed by the sources and flags. Where they cannot
 be built (no compiler), or with ``KVLEDGER_CPU_KERNELS=0``, the engine runs torch's own
-operators (SDPA over fresh or gathered K/V, the composite norm, oneDNN's or MKL's products) and says why once in its log.
+operators (SDPA over fresh or gathered K/V, the composite norm, RoPE and gate, oneDNN's or MKL's products) and says why once in its log.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import torch
 CPU_KERNELS_ENV = "KVLEDGER_CPU_KERNELS"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes the kernels compute in."""
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "rms_norm.cpp", "skinny_linear.cpp")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "rms_norm.cpp", "rotary.cpp", "silu_and_mul.cpp",
+                                                                "skinny_linear.cpp")]
 
 log = logging.getLogger("kvledger.engine")
 
