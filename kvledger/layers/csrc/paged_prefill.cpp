@@ -38,6 +38,7 @@ using kvledger_cpu::Vec;
 
 constexpr int64_t kTile = 32;        // key positions per tile
 constexpr int64_t kQueryBlock = 16;  // query positions per work item
+constexpr size_t kKeptFloats = size_t{16} << 20;  // 64 MiB of packed context kept between calls
 constexpr int64_t kW = Vec::size();
 constexpr int64_t kTileVecs = kTile / kW;  // vectors per tile row (1 with AVX-512, 2 with AVX2)
 static_assert(kTile % kW == 0 && 8 % kTileVecs == 0, "a key tile must be a whole number of vectors");
@@ -218,8 +219,14 @@ void prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool, con
   // The context of every KV head in float32: keys transposed in tiles, values as rows. Positions
   // past the end of the last tile are zeros (their scores are masked).
   const int64_t head_k = tiles * D * kTile, head_v = tiles * kTile * D;
-  thread_local std::vector<float> packed;  // reused from call to call: no page faults per layer
+  // Reused from call to call (no fresh pages to fault in for every layer), up to kKeptFloats:
+  // the copy of a longer context is freed after its call.
+  thread_local std::vector<float> packed;
   packed.resize(kv_heads * (head_k + head_v));
+  struct FreeIfLong {
+    std::vector<float>& v;
+    ~FreeIfLong() { if (v.capacity() > kKeptFloats) std::vector<float>().swap(v); }
+  } free_if_long{packed};
   float* kt_all = packed.data();
   float* v_all = kt_all + kv_heads * head_k;
   at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
