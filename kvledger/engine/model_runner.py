@@ -34,12 +34,12 @@ class ModelRunner:
         self.device = device
         self.windows = [g.sliding_window for g in groups] if groups else [None]
         attn = model.layers[0].self_attn if hasattr(model, "layers") else None  # this rank's heads
-        self.decode_in_place = attn is not None and not cache.quantized and paged_decode.supports(
-            cache.storage.device, cache.dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        kernels = [] if attn is None or cache.quantized else [cache.storage.device, cache.dtype, attn.num_heads,
+                                                               attn.num_kv_heads, attn.head_dim]  # what they ask
+        self.decode_in_place = bool(kernels) and paged_decode.supports(*kernels)
         """Decodes read K/V in place with the CPU kernel (:mod:`kvledger.layers.paged_decode`) rather
         than gathering them."""
-        self.prefill_in_place = attn is not None and not cache.quantized and paged_prefill.supports(
-            cache.storage.device, cache.dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        self.prefill_in_place = bool(kernels) and paged_prefill.supports(*kernels)
         """Prefill chunks read K/V in place with the CPU kernel (:mod:`kvledger.layers.paged_prefill`)."""
         self.last_logits: torch.Tensor | None = None  # [samplers, vocab] of the latest step (tests read it)
 

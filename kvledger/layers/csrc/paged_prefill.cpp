@@ -9,13 +9,14 @@
 // Query i sees the keys at positions 0 .. num_computed + i (itself included).
 //
 // Flash attention on the CPU's vectors. For each KV head the context's keys are first copied
-// into tiles of 16 positions, transposed ([d][16] floats), and its values into rows of floats:
-// one pass over the cache, in float32 whatever the storage. Work items are then (KV head, block
-// of 16 query positions): the item's rows (16 positions x the query heads of that KV head, GQA)
-// walk the key tiles up to their causal end, keeping a running max, sum and weighted sum of
-// values per row (an online softmax), all in float32, as SDPA does under a 16-bit model. Score
-// tiles are computed eight rows at a time with each key vector loaded once; the weighted sum
-// keeps a few rows' accumulators in registers. Items are ordered so that the threads' shares of
+// into tiles of kTile (32) positions, transposed ([d][32] floats), and its values into rows of
+// floats: one pass over the cache, in float32 whatever the storage. Work items are then (KV
+// head, block of 16 query positions): the item's rows (16 positions x the query heads of that
+// KV head, GQA) walk the key tiles up to their causal end, keeping a running max, sum and
+// weighted sum of values per row (an online softmax), all in float32, as SDPA does under a
+// 16-bit model. Scores are computed a few rows at a time in eight register accumulators, each
+// key vector loaded once for those rows; the weighted sum keeps a few rows' accumulators in
+// registers. Items are ordered so that the threads' shares of
 // causal work are even (a late block of queries pairs with an early one).
 
 #include <ATen/ATen.h>
