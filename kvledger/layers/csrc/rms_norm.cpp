@@ -19,6 +19,8 @@
 namespace {
 
 using kvledger_cpu::load_floats;
+using kvledger_cpu::round_as;
+using kvledger_cpu::store_floats;
 using kvledger_cpu::Vec;
 
 template <typename T>
@@ -37,7 +39,10 @@ void norm_rows(const T* x, const T* w, T* y, int64_t M, int64_t D, float eps) {
       float total = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sq);
       for (; i < D; ++i) total += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
       const float inv = 1.f / std::sqrt(total / static_cast<float>(D) + eps);
-      for (i = 0; i < D; ++i) {
+      const Vec iv(inv);
+      for (i = 0; i + W <= D; i += W)  // w * x * inv, rounded to T before the weight (as below)
+        store_floats(load_floats(w + i) * round_as<T>(load_floats(xr + i) * iv), yr + i);
+      for (; i < D; ++i) {
         const float normed = static_cast<float>(xr[i]) * inv;
         // float32: x * inv * w; bfloat16: rounded to bfloat16 before the weight, as the module does
         yr[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(normed)));

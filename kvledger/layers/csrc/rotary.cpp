@@ -14,14 +14,30 @@
 
 #include <cstdint>
 
+#include "float_vec.h"
+
 #pragma GCC optimize("fp-contract=off")  // products rounded before the sum, as torch's operators
 
 namespace {
 
+using kvledger_cpu::load_floats;
+using kvledger_cpu::round_as;
+using kvledger_cpu::store_floats;
+using kvledger_cpu::Vec;
+
 // One head of one token: y[i] = x[i] * c[i] + r[i] * s[i], r = [-x[h..d), x[0..h)].
 template <typename T>
 inline void rotate_row(const T* x, const T* c, const T* s, T* y, int64_t d) {
+  constexpr int64_t W = Vec::size();
   const int64_t h = d / 2;
+  if (h % W == 0) {  // a vector from each half at a time: y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2
+    for (int64_t i = 0; i < h; i += W) {
+      const Vec x1 = load_floats(x + i), x2 = load_floats(x + h + i);
+      store_floats(round_as<T>(x1 * load_floats(c + i)) + round_as<T>(x2.neg() * load_floats(s + i)), y + i);
+      store_floats(round_as<T>(x2 * load_floats(c + h + i)) + round_as<T>(x1 * load_floats(s + h + i)), y + h + i);
+    }
+    return;
+  }
   for (int64_t i = 0; i < d; ++i) {
     const float xi = static_cast<float>(x[i]);
     const float ri = i < h ? -static_cast<float>(x[i + h]) : static_cast<float>(x[i - h]);

@@ -13,13 +13,14 @@
 
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
 #include "float_vec.h"
 
 namespace {
 
 using kvledger_cpu::load_floats;
+using kvledger_cpu::round_as;
+using kvledger_cpu::store_floats;
 using kvledger_cpu::Vec;
 
 template <typename T>
@@ -27,7 +28,6 @@ void gate_rows(const T* gu, T* y, int64_t M, int64_t I) {
   constexpr int64_t W = Vec::size();
   const Vec one(1.f);
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
-    float silu[W];
     for (int64_t m = begin; m < end; ++m) {
       const T* g = gu + m * 2 * I;
       const T* u = g + I;
@@ -35,16 +35,8 @@ void gate_rows(const T* gu, T* y, int64_t M, int64_t I) {
       int64_t i = 0;
       for (; i + W <= I; i += W) {
         const Vec gv = load_floats(g + i);
-        const Vec sv = gv / (one + gv.neg().exp());
-        if constexpr (std::is_same_v<T, float>) {
-          (sv * Vec::loadu(u + i)).store(yr + i);
-          continue;
-        }
-        sv.store(silu);
-        for (int64_t e = 0; e < W; ++e) {
-          const T s = static_cast<T>(silu[e]);  // F.silu's result, in T
-          yr[i + e] = static_cast<T>(static_cast<float>(s) * static_cast<float>(u[i + e]));
-        }
+        const Vec s = round_as<T>(gv / (one + gv.neg().exp()));  // F.silu's result, in T
+        store_floats(s * load_floats(u + i), yr + i);
       }
       for (; i < I; ++i) {
         const float gi = static_cast<float>(g[i]);
