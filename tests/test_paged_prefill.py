@@ -5,6 +5,8 @@ for, strided query rows, and the engine with the kernel against the engine witho
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,16 @@ def test_the_kernel_builds_here():
     assert not paged_prefill.supports(torch.device("cpu"), torch.int8, 9, 3, 64)
     assert not paged_prefill.supports(torch.device("cpu"), torch.float32, 9, 3, 96)
     assert not paged_prefill.supports(torch.device("cpu"), torch.float32, 9, 4, 64)
+
+
+def test_the_engine_prefers_sdpa_for_bfloat16_on_amx_only():
+    """float32 chunks run the kernel everywhere it builds; bfloat16 ones run it except on a CPU with
+    AMX tiles, whose flash SDPA multiplies faster (and the kernel still serves them when asked)."""
+    cpu = torch.device("cpu")
+    assert paged_prefill.preferred(cpu, torch.float32, 9, 3, 64)
+    assert paged_prefill.preferred(cpu, torch.bfloat16, 9, 3, 64) is not paged_prefill.amx()
+    assert paged_prefill.amx() == ("amx_tile" in Path("/proc/cpuinfo").read_text().split())
+    assert not paged_prefill.preferred(cpu, torch.float32, 9, 3, 96)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])

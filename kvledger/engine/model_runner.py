@@ -39,8 +39,9 @@ class ModelRunner:
         self.decode_in_place = bool(kernels) and paged_decode.supports(*kernels)
         """Decodes read K/V in place with the CPU kernel (:mod:`kvledger.layers.paged_decode`) rather
         than gathering them."""
-        self.prefill_in_place = bool(kernels) and paged_prefill.supports(*kernels)
-        """Prefill chunks read K/V in place with the CPU kernel (:mod:`kvledger.layers.paged_prefill`)."""
+        self.prefill_in_place = bool(kernels) and paged_prefill.preferred(*kernels)
+        """Prefill chunks read K/V in place with the CPU kernel (:mod:`kvledger.layers.paged_prefill`)
+        where it is the faster way; otherwise flash SDPA runs them."""
         self.last_logits: torch.Tensor | None = None  # [samplers, vocab] of the latest step (tests read it)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:

@@ -207,13 +207,13 @@ def _paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         if chunk.num_computed == 0 and not cache.read_back_fresh:
             kc = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
             vc = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, is_causal=chunk.mask is None,
-                                               scale=scale, enable_gqa=gqa)
         else:  # earlier tokens are in the cache (or read_back_fresh asks for a read-back)
             ctx = chunk.num_computed + chunk.end - chunk.start - chunk.gather_start
             kc, vc = cache.gather(layer, chunk.block_table, ctx)
-            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, is_causal=chunk.mask is None,
-                                               scale=scale, enable_gqa=gqa)
+        if q.device.type == "cpu":  # CPU flash SDPA takes its fast path on contiguous operands only
+            qc, kc, vc = qc.contiguous(), kc.contiguous(), vc.contiguous()
+        o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                                           scale=scale, enable_gqa=gqa)
         out[chunk.start:chunk.end] = o.squeeze(0).transpose(0, 1)
     return out
 
