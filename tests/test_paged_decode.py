@@ -113,3 +113,20 @@ def test_engine_decodes_alike_with_the_kernel_and_with_the_gather():
     gathered, gathered_logits = run()
     assert with_kernel == gathered
     torch.testing.assert_close(kernel_logits, gathered_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_smollm2_heads_with_contexts_around_sixteen_keys(dtype, tol):
+    """SmolLM2's heads (9 query heads on 3 KV heads of 64, the kernel's fixed-size path, whose scores
+    are summed sixteen keys at a time with AVX-512) over contexts just below, at and past multiples of
+    16 tokens, in blocks of 4 out of order."""
+    torch.manual_seed(3)
+    lens = torch.tensor([1, 15, 16, 17, 33, 47])
+    blocks_each = (int(lens.max()) + 3) // 4
+    cache = KVCache(1, blocks_each * len(lens), 4, 3, 64, dtype)
+    slots = torch.arange(blocks_each * len(lens) * 4)
+    cache.write(0, torch.randn(len(slots), 3, 64), torch.randn(len(slots), 3, 64), slots)
+    tables = torch.randperm(blocks_each * len(lens)).view(len(lens), blocks_each)
+    q = torch.randn(len(lens), 9, 64, dtype=dtype)
+    in_place = paged_decode_attention(q, cache.storage[0, 0], cache.storage[0, 1], tables, lens, 0.35)
+    torch.testing.assert_close(in_place.float(), _gathered(q, cache, tables, lens).float(), atol=tol, rtol=tol)
