@@ -21,7 +21,7 @@ Key tiles of 32 positions ran about 5% faster than 16 or 64. The float32 copy of
 takes ``2 * context * H_kv * d * 4`` bytes (1.5 MiB for SmolLM2 at 1,024 tokens); the calling
 thread keeps it for the next layer up to 64 MiB, and frees a larger one after its call.
 
-On a CPU with AMX (a Xeon of 2023; 2 threads, bfloat16, SmolLM2's heads, best of 10) torch's
+On an Intel Xeon with AMX (2 threads, bfloat16, SmolLM2's heads, best of 10) torch's
 flash SDPA, given contiguous operands, multiplies on the AMX tiles and beats this kernel, which
 multiplies in float32: 1.08 against 1.88 ms at 512 new tokens, 9.4 against 26.0 at 2,048, and,
 with K/V gathered through the block table and a mask, 3.1 against 6.3 ms for 256 new tokens after
