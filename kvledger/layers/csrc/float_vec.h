@@ -12,7 +12,6 @@
 namespace kvledger_cpu {
 
 using Vec = at::vec::Vectorized<float>;
-using BVec = at::vec::Vectorized<c10::BFloat16>;  // twice Vec's lanes
 
 inline Vec load_floats(const float* p) { return Vec::loadu(p); }
 
