@@ -1,6 +1,7 @@
 """The CPU decode-attention kernel (kvledger/layers/paged_decode.py) against the gather plus SDPA it
 replaces, on tiny caches: padded tables, contexts that end inside a block, blocks out of order,
-GQA, a query with strided rows, and a long single context split into spans."""
+GQA, a query with strided rows, a long single context split into spans, and the 8-bit caches
+(int8 with per-token scales, fp8 E4M3 and E5M2 with per-layer ones) read as bytes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from kvledger.layers import cpu_kernels, paged_decode
 from kvledger.layers.attention import DecodeGroup, decode_attention
 from kvledger.layers.paged_decode import paged_decode_attention
 from kvledger.layers.paged_kv import KVCache
+from kvledger.layers.quantized_kv import make_kv_cache
 
 BLOCKS, BS, H_KV, H, D = 12, 4, 2, 6, 32
 
@@ -34,7 +36,11 @@ def test_the_kernel_builds_here():
     assert cpu_kernels.loaded(), cpu_kernels.reason()
     assert paged_decode.supports(torch.device("cpu"), torch.float32, 9, 3, 64)
     assert paged_decode.supports(torch.device("cpu"), torch.bfloat16, 4, 1, 256)  # Gemma-3 270M's
-    assert not paged_decode.supports(torch.device("cpu"), torch.int8, 9, 3, 64)
+    assert not paged_decode.supports(torch.device("cpu"), torch.int8, 9, 3, 64)  # int8 is no compute dtype
+    for kv_dtype in paged_decode.EIGHT_BIT_DTYPES:
+        assert paged_decode.supports(torch.device("cpu"), torch.float32, 9, 3, 64, kv_dtype=kv_dtype)
+        assert paged_decode.supports(torch.device("cpu"), torch.bfloat16, 9, 3, 64, kv_dtype=kv_dtype)
+    assert not paged_decode.supports(torch.device("cpu"), torch.float32, 9, 3, 64, kv_dtype=torch.bfloat16)
     assert not paged_decode.supports(torch.device("cpu"), torch.float32, 64, 2, 64)  # 32 heads per KV head
 
 
@@ -46,17 +52,17 @@ def test_reads_the_blocks_in_place_as_the_gather_would(dtype, tol):
     tables = torch.tensor([[5, 2, 9], [7, 0, 0], [1, 11, 3]])
     lens = torch.tensor([9, 3, 12])
     q = torch.randn(3, H, D, dtype=dtype)
-    in_place = paged_decode_attention(q, cache.storage[0, 0], cache.storage[0, 1], tables, lens, 0.35)
+    in_place = paged_decode_attention(q, cache.layer_pools(0), tables, lens, 0.35)
     assert in_place.dtype == dtype and in_place.shape == (3, H, D)
     torch.testing.assert_close(in_place.float(), _gathered(q, cache, tables, lens).float(), atol=tol, rtol=tol)
     # the second sequence sees only its 3 tokens: what lies past them in its blocks changes nothing
     cache.storage[0, :, 7, 3:] = 1e4
     cache.storage[0, :, 0] = -1e4
-    again = paged_decode_attention(q, cache.storage[0, 0], cache.storage[0, 1], tables, lens, 0.35)
+    again = paged_decode_attention(q, cache.layer_pools(0), tables, lens, 0.35)
     torch.testing.assert_close(again[1], in_place[1])
     # and a change inside its context does change its output
     cache.storage[0, 1, 7, 1] = 5.0
-    assert not torch.equal(paged_decode_attention(q, cache.storage[0, 0], cache.storage[0, 1], tables, lens, 0.35)[1],
+    assert not torch.equal(paged_decode_attention(q, cache.layer_pools(0), tables, lens, 0.35)[1],
                            in_place[1])
 
 
@@ -69,7 +75,7 @@ def test_writes_into_strided_query_rows_and_an_output_slice():
     qkv = torch.randn(2, H + 2 * H_KV, D)
     q = qkv[:, :H]
     out = torch.zeros(5, H, D)
-    paged_decode_attention(q, cache.storage[0, 0], cache.storage[0, 1], tables, lens, 0.35, out=out[1:3])
+    paged_decode_attention(q, cache.layer_pools(0), tables, lens, 0.35, out=out[1:3])
     torch.testing.assert_close(out[1:3], _gathered(q.contiguous(), cache, tables, lens), atol=1e-6, rtol=1e-6)
     assert out[0].abs().sum() == 0 and out[3:].abs().sum() == 0
 
@@ -86,33 +92,10 @@ def test_a_long_single_context_split_into_spans_merges_exactly(threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        in_place = paged_decode_attention(q, cache.storage[0, 0], cache.storage[0, 1], tables, lens, 0.35)
+        in_place = paged_decode_attention(q, cache.layer_pools(0), tables, lens, 0.35)
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(in_place, _gathered(q, cache, tables, lens), atol=1e-6, rtol=1e-5)
-
-
-def test_engine_decodes_alike_with_the_kernel_and_with_the_gather():
-    """The same float32 engine, its decodes read in place by the kernel or gathered (the path CUDA,
-    8-bit caches and machines without the kernel take): the same greedy tokens, logits within
-    float32 rounding, for a batch of contexts of different lengths."""
-    from kvledger import LLM, SamplingParams
-
-    llm = LLM(model="smollm2-135m", dtype="float32", kv_cache_memory="16MiB", enforce_eager=True)
-    runner = llm.llm_engine.runner
-    assert runner.decode_in_place
-    prompts = [list(range(100, 100 + n)) for n in (5, 40, 130)]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-
-    def run() -> tuple[list[list[int]], torch.Tensor]:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs], runner.last_logits.clone()
-
-    with_kernel, kernel_logits = run()
-    runner.decode_in_place = False
-    gathered, gathered_logits = run()
-    assert with_kernel == gathered
-    torch.testing.assert_close(kernel_logits, gathered_logits, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
@@ -128,5 +111,140 @@ def test_smollm2_heads_with_contexts_around_sixteen_keys(dtype, tol):
     cache.write(0, torch.randn(len(slots), 3, 64), torch.randn(len(slots), 3, 64), slots)
     tables = torch.randperm(blocks_each * len(lens)).view(len(lens), blocks_each)
     q = torch.randn(len(lens), 9, 64, dtype=dtype)
-    in_place = paged_decode_attention(q, cache.storage[0, 0], cache.storage[0, 1], tables, lens, 0.35)
+    in_place = paged_decode_attention(q, cache.layer_pools(0), tables, lens, 0.35)
     torch.testing.assert_close(in_place.float(), _gathered(q, cache, tables, lens).float(), atol=tol, rtol=tol)
+
+
+EIGHT_BIT = ("int8", "fp8_e4m3", "fp8_e5m2")
+
+
+def _filled_8bit_cache(kind: str, dtype: torch.dtype, blocks: int, block_size: int, kv_heads: int,
+                       head_dim: int) -> KVCache:
+    """An 8-bit cache whose values differ in size from token to token, so that int8's per-token
+    scales differ too (a kernel that ignored or misread them would be caught)."""
+    cache = make_kv_cache(kind, 1, blocks, block_size, kv_heads, head_dim, dtype)
+    tokens = blocks * block_size
+    size = torch.rand(tokens, 1, 1) * 3 + 0.1
+    k, v = torch.randn(tokens, kv_heads, head_dim) * size, torch.randn(tokens, kv_heads, head_dim) * size.flip(0)
+    cache.write(0, k.to(dtype), v.to(dtype), torch.arange(tokens))
+    return cache
+
+
+def _exact_attention(q: torch.Tensor, pools, tables: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The attention the kernel approximates, in float64, one sequence and head at a time: stored
+    elements times their scales (int8: per token per KV head; fp8: per layer), softmax, weighted sum."""
+    def values(stored: torch.Tensor, per_token: torch.Tensor | None, per_layer: float) -> torch.Tensor:
+        x = stored.double()
+        return x * per_token.double()[..., None] if per_token is not None else x * per_layer
+
+    keys, vals = values(pools.k, pools.k_scales, pools.k_scale), values(pools.v, pools.v_scales, pools.v_scale)
+    block_size, kv_heads, head_dim = keys.shape[1:]
+    group = q.shape[1] // kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b, n in enumerate(lens.tolist()):
+        blocks = tables[b, :(n + block_size - 1) // block_size]
+        k, v = keys[blocks].reshape(-1, kv_heads, head_dim)[:n], vals[blocks].reshape(-1, kv_heads, head_dim)[:n]
+        for h in range(q.shape[1]):
+            p = (k[:, h // group] @ q[b, h].double() * scale).softmax(0)
+            out[b, h] = p @ v[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", EIGHT_BIT)
+def test_8bit_caches_read_in_place_give_the_exact_attention(kind, dtype):
+    """The kernel widens the stored bytes and applies the scales itself. Over SmolLM2's heads, padded
+    and shuffled tables and contexts that end inside a block, its output is the exact attention of
+    the stored values to within the output dtype's rounding (bfloat16: one unit in the last place,
+    closer than the gather, which rounds every dequantized element to bfloat16 first); in float32
+    it also equals the gather's."""
+    torch.manual_seed(4)
+    cache = _filled_8bit_cache(kind, dtype, blocks=24, block_size=4, kv_heads=3, head_dim=64)
+    pools = cache.layer_pools(0)
+    assert pools.k.dtype == cache.element_dtype != dtype
+    lens = torch.tensor([1, 9, 16, 30])
+    tables = torch.zeros(4, 8, dtype=torch.int64)
+    order, used = torch.randperm(24), 0
+    for b, n in enumerate(lens.tolist()):  # 1 + 3 + 4 + 8 of the 24 blocks, shuffled
+        need = (n + 3) // 4
+        tables[b, :need] = order[used:used + need]
+        used += need
+    q = torch.randn(4, 9, 64, dtype=dtype)
+    in_place = paged_decode_attention(q, pools, tables, lens, 0.35)
+    exact = _exact_attention(q, pools, tables, lens, 0.35)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(in_place.double(), exact, atol=tol, rtol=tol)
+    if dtype == torch.float32:
+        torch.testing.assert_close(in_place, _gathered(q, cache, tables, lens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", EIGHT_BIT)
+def test_8bit_scales_are_the_ones_applied(kind):
+    """Halving the stored scales of V halves the output (int8: per token; fp8: per layer); halving
+    those of K changes the scores, so the output moves."""
+    torch.manual_seed(5)
+    cache = _filled_8bit_cache(kind, torch.float32, blocks=6, block_size=4, kv_heads=2, head_dim=32)
+    tables, lens = torch.tensor([[4, 1, 3]]), torch.tensor([11])
+    q = torch.randn(1, 4, 32)
+    before = paged_decode_attention(q, cache.layer_pools(0), tables, lens, 0.35)
+    pools = cache.layer_pools(0)
+    if kind == "int8":
+        pools.v_scales.mul_(0.5)
+    else:
+        pools.v_scale *= 0.5
+    torch.testing.assert_close(paged_decode_attention(q, pools, tables, lens, 0.35), before * 0.5,
+                               atol=1e-6, rtol=1e-5)
+    if kind == "int8":
+        pools.k_scales[4].mul_(0.5)  # the first block's four tokens only
+    else:
+        pools.k_scale *= 0.5
+    assert not torch.allclose(paged_decode_attention(q, pools, tables, lens, 0.35), before * 0.5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", EIGHT_BIT)
+def test_8bit_long_context_split_into_spans(kind):
+    """1,500 tokens of one sequence on two threads: spans of 8-bit blocks, each with its scales."""
+    torch.manual_seed(6)
+    cache = _filled_8bit_cache(kind, torch.float32, blocks=100, block_size=16, kv_heads=3, head_dim=64)
+    tables = torch.randperm(100)[:94].view(1, -1)
+    lens = torch.tensor([1500])
+    q = torch.randn(1, 9, 64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        in_place = paged_decode_attention(q, cache.layer_pools(0), tables, lens, 0.35)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(in_place, _gathered(q, cache, tables, lens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind, max_tokens", [("auto", 12), ("int8", 2), ("fp8_e4m3", 2), ("fp8_e5m2", 2)])
+def test_engine_decodes_alike_with_the_kernel_and_with_the_gather(kind, max_tokens):
+    """The same float32 engine, its decodes read in place by the kernel or gathered (the path CUDA
+    and machines without the kernel take): the same greedy tokens, logits within float32 rounding,
+    for a batch of contexts of different lengths. With the float32 cache over 12 tokens; with an
+    8-bit one over the first decode step only, which reads the prompt's stored bytes, the same in
+    both runs (no prefix caching, so both prefill alike). Later 8-bit steps store keys quantized
+    from hidden states that differ in the last bits, and a value on a rounding boundary may land
+    one int8 step apart; those are the quality tests' to judge. An 8-bit kind's logits may differ
+    by up to 1e-3, of logits up to about 35: the kernel folds the scales into the scores and the
+    sum in another order than the gather, and on AVX2 the orders differ further."""
+    from kvledger import LLM, SamplingParams
+
+    llm = LLM(model="smollm2-135m", dtype="float32", kv_cache_dtype=kind, kv_cache_memory="16MiB",
+              enforce_eager=True, enable_prefix_caching=False)
+    runner = llm.llm_engine.runner
+    assert runner.decode_in_place
+    prompts = [list(range(100, 100 + n)) for n in (5, 40, 130)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+    def run() -> tuple[list[list[int]], torch.Tensor]:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], runner.last_logits.clone()
+
+    with_kernel, kernel_logits = run()
+    runner.decode_in_place = False
+    gathered, gathered_logits = run()
+    assert with_kernel == gathered
+    atol = 1e-4 if kind == "auto" else 1e-3
+    torch.testing.assert_close(kernel_logits, gathered_logits, atol=atol, rtol=1e-4)

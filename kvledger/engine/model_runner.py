@@ -34,12 +34,12 @@ class ModelRunner:
         self.device = device
         self.windows = [g.sliding_window for g in groups] if groups else [None]
         attn = model.layers[0].self_attn if hasattr(model, "layers") else None  # this rank's heads
-        kernels = [] if attn is None or cache.quantized else [cache.storage.device, cache.dtype, attn.num_heads,
-                                                               attn.num_kv_heads, attn.head_dim]  # what they ask
-        self.decode_in_place = bool(kernels) and paged_decode.supports(*kernels)
+        kernels = [] if attn is None else [cache.storage.device, cache.compute_dtype, attn.num_heads,
+                                           attn.num_kv_heads, attn.head_dim]  # what they ask
+        self.decode_in_place = bool(kernels) and paged_decode.supports(*kernels, kv_dtype=cache.element_dtype)
         """Decodes read K/V in place with the CPU kernel (:mod:`kvledger.layers.paged_decode`) rather
-        than gathering them."""
-        self.prefill_in_place = bool(kernels) and paged_prefill.preferred(*kernels)
+        than gathering them (8-bit caches too)."""
+        self.prefill_in_place = bool(kernels) and not cache.quantized and paged_prefill.preferred(*kernels)
         """Prefill chunks read K/V in place with the CPU kernel (:mod:`kvledger.layers.paged_prefill`)
         where it is the faster way; otherwise flash SDPA runs them."""
         self.last_logits: torch.Tensor | None = None  # [samplers, vocab] of the latest step (tests read it)

@@ -4,9 +4,9 @@ A step's tokens are flattened into one batch: first one token per decoding seque
 the prefill chunks, each contiguous. Per layer every new K/V is written into the cache
 first (:meth:`KVCache.write`), then attention runs:
 
-* decodes: on CPU, over a cache that stores the compute dtype (float32, bfloat16), one call
-  of the decode kernel per group reads K/V where they lie in the blocks
-  (:mod:`kvledger.layers.paged_decode`; ``AttentionMetadata.decode_in_place``). Otherwise one
+* decodes: on CPU, over a cache that stores the compute dtype (float32, bfloat16) or 8 bits an
+  element (int8, fp8), one call of the decode kernel per group reads K/V where they lie in the
+  blocks (:mod:`kvledger.layers.paged_decode`; ``AttentionMetadata.decode_in_place``). Otherwise one
   attention call per group, queries ``[B, H, 1, d]`` against K/V gathered through the block
   tables ``[B, H_kv, T, d]``, padding positions masked by an additive mask built once per
   step. Decodes come sorted by context length and split into groups whose longest context is
@@ -193,16 +193,15 @@ def _paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     for group in meta.decodes:
         if meta.decode_in_place and group.context_lens is not None:
-            pools = cache.storage[layer]
-            paged_decode_attention(q[group.start:group.end], pools[0], pools[1], group.block_tables,
+            paged_decode_attention(q[group.start:group.end], cache.layer_pools(layer), group.block_tables,
                                    group.context_lens, scale, out=out[group.start:group.end])
             continue
         kv = cache.gather_decode(layer, group.block_tables, group.max_len)
         out[group.start:group.end] = decode_attention(q[group.start:group.end], kv, group.mask, scale)
     for chunk in meta.prefills:
         if meta.prefill_in_place and not chunk.sliding:
-            pools = cache.storage[layer]
-            paged_prefill_attention(q[chunk.start:chunk.end], pools[0], pools[1], chunk.block_table,
+            pools = cache.layer_pools(layer)
+            paged_prefill_attention(q[chunk.start:chunk.end], pools.k, pools.v, chunk.block_table,
                                     chunk.num_computed, scale, out=out[chunk.start:chunk.end])
             continue
         qc = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]

@@ -9,10 +9,13 @@ and splits a long context of few sequences into spans that both cores work on, m
 flash-decoding does. vLLM's CPU backend has kernels of its own for the same reason.
 
 It is one of kvledger's CPU kernels (:mod:`kvledger.layers.cpu_kernels`: built on first use,
-cached on disk). It serves float32 and bfloat16 caches on CPU that store the compute dtype,
-with ``head_dim`` a multiple of the vector width and at most 16 query heads per KV head;
-elsewhere (CUDA, 8-bit caches, sliding windows), or where the kernels cannot be built, attention
-gathers the context instead (:meth:`kvledger.layers.paged_kv.KVCache.gather_decode`).
+cached on disk). It serves float32 and bfloat16 models on CPU whose cache stores the compute
+dtype or 8 bits an element (int8 with its per-token scales, fp8 E4M3 or E5M2 with its per-layer
+ones: the bytes are widened as they are read and the scales applied to the scores and
+probabilities, :meth:`kvledger.layers.paged_kv.KVCache.layer_pools`), with ``head_dim`` a
+multiple of the vector width and at most 16 query heads per KV head; elsewhere (CUDA, sliding
+windows, a bfloat16 cache under a float32 model), or where the kernels cannot be built,
+attention gathers the context instead (:meth:`kvledger.layers.paged_kv.KVCache.gather_decode`).
 
 Measured here (2 threads, SmolLM2's 9 query and 3 KV heads of 64, one layer, medians of repeated
 calls, so the pool is warm in cache) against the gather plus SDPA it replaces, for ``B``
@@ -26,27 +29,36 @@ from __future__ import annotations
 import torch
 
 from kvledger.layers import cpu_kernels
+from kvledger.layers.paged_kv import LayerPools
 
 MAX_GROUP = 16
 """Query heads per KV head the kernel takes (``kMaxGroup`` in the C++)."""
+EIGHT_BIT_DTYPES = tuple(d for d in (torch.int8, getattr(torch, "float8_e4m3fn", None),
+                                     getattr(torch, "float8_e5m2", None)) if d is not None)
+"""The 8-bit cache elements the kernel reads beside the compute dtype."""
 
 
-def supports(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """True when decode steps on this device, cache dtype and head shape run the kernel (building it
-    if it is not yet)."""
+def supports(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+             kv_dtype: torch.dtype | None = None) -> bool:
+    """True when decode steps on this device, compute dtype, cache element dtype (``kv_dtype``,
+    :attr:`KVCache.element_dtype`; the compute dtype when None) and head shape run the kernel
+    (building it if it is not yet)."""
     if torch.device(device).type != "cpu" or dtype not in cpu_kernels.KERNEL_DTYPES:
+        return False
+    if kv_dtype is not None and kv_dtype != dtype and kv_dtype not in EIGHT_BIT_DTYPES:
         return False
     if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
         return False
     return cpu_kernels.loaded() and head_dim % cpu_kernels.vector_width() == 0
 
 
-def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+def paged_decode_attention(q: torch.Tensor, pools: LayerPools, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output ``[B, H, d]`` in ``q``'s dtype, written into ``out`` when given: query
     ``b`` over the first ``context_lens[b]`` positions of the blocks ``block_tables[b]``
-    (``[B, blocks]`` int64, padded past a sequence's last block) of ``k_pool``/``v_pool``
-    (``[num_blocks, block_size, H_kv, d]``). Only where :func:`supports` said so."""
+    (``[B, blocks]`` int64, padded past a sequence's last block) of a layer's ``pools``
+    (``[num_blocks, block_size, H_kv, d]`` and their scales). Only where :func:`supports` said so."""
     q, out = cpu_kernels.attention_operands(q, out)
-    torch.ops.kvledger_cpu.paged_decode(out, q, k_pool, v_pool, block_tables, context_lens, scale)
+    torch.ops.kvledger_cpu.paged_decode(out, q, pools.k, pools.v, block_tables, context_lens, scale,
+                                        pools.k_scales, pools.v_scales, pools.k_scale, pools.v_scale)
     return out

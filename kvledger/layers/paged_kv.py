@@ -6,9 +6,10 @@ Layout: one tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_
 times ``num_blocks * block_size`` tokens.
 
 Quantized storage (int8/fp8 with scales, :mod:`kvledger.layers.quantized_kv`) overrides the
-same methods: :meth:`KVCache.write` quantizes, :meth:`KVCache.gather` dequantizes and
+same methods: :meth:`KVCache.write` quantizes, :meth:`KVCache.gather` dequantizes,
 :meth:`KVCache.gather_decode` hands attention the 8-bit values widened but unscaled, with the
-scales beside them. Callers never touch :attr:`KVCache.storage`.
+scales beside them, and :meth:`KVCache.layer_pools` hands the in-place kernels a layer's pools as
+stored, with their scales. Callers never touch :attr:`KVCache.storage`.
 """
 
 from __future__ import annotations
@@ -57,6 +58,22 @@ class DecodeKV:
                     and self.k_scale == 1.0 and self.v_scale == 1.0)
 
 
+@dataclass
+class LayerPools:
+    """One layer's K and V block pools as the in-place attention kernels read them
+    (:mod:`kvledger.layers.paged_decode`): the stored elements, never a copy, and their scales.
+
+    The real keys are ``k * k_scales * k_scale`` (per token and KV head, then per layer), and
+    the real values likewise."""
+
+    k: torch.Tensor  # [num_blocks, block_size, H_kv, d_h], the stored dtype (fp8 as its torch dtype)
+    v: torch.Tensor
+    k_scales: torch.Tensor | None = None  # [num_blocks, block_size, H_kv] float16 (int8 caches)
+    v_scales: torch.Tensor | None = None
+    k_scale: float = 1.0  # per layer (fp8 caches)
+    v_scale: float = 1.0
+
+
 class KVCache:
     """Per-layer K/V block pools and the two operations on them: write by slot, gather by block table."""
 
@@ -86,6 +103,12 @@ class KVCache:
         return self.dtype != self.compute_dtype
 
     @property
+    def element_dtype(self) -> torch.dtype:
+        """The dtype of the pools' elements as :meth:`layer_pools` hands them over (an fp8 cache
+        keeps raw bytes but hands over its float8 dtype)."""
+        return self.dtype
+
+    @property
     def measured_bytes(self) -> int:
         """Bytes of the real cache tensors (all layers, K and V)."""
         return self.storage.numel() * self.storage.element_size()
@@ -107,6 +130,12 @@ class KVCache:
         if self.quantized:
             k, v = k.to(self.compute_dtype), v.to(self.compute_dtype)
         return k, v
+
+    def layer_pools(self, layer: int) -> LayerPools:
+        """Layer ``layer``'s pools ``[num_blocks, block_size, H_kv, d_h]`` as stored, for kernels
+        that read K/V in place."""
+        pools = self.storage[layer]
+        return LayerPools(pools[0], pools[1])
 
     def gather_decode(self, layer: int, block_tables: torch.Tensor, num_tokens: int) -> DecodeKV:
         """K and V for decode steps, in the form attention reads fastest: for this cache, the

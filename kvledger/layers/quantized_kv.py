@@ -2,11 +2,12 @@
 
 Same layout and the same two operations as :class:`~kvledger.layers.paged_kv.KVCache`
 (``write`` by slot, ``gather`` by block table); quantization happens on write and
-dequantization on read, so nothing else in the engine changes. Decode steps read through
-``gather_decode``: the 8-bit values widened to the compute dtype but not multiplied by their
-scales, which attention applies to the scores and probabilities instead (as the CUDA kernels
-of serving engines do), so no dequantized copy of the context is made. The formats are in
-:mod:`kvledger.layers.kv_quant`:
+dequantization on read, so nothing else in the engine changes. Decode steps on CPU read the
+8-bit elements in place (``layer_pools``, for :mod:`kvledger.layers.paged_decode`, which widens
+them as it reads); elsewhere they read through ``gather_decode``: the 8-bit values widened to the
+compute dtype but not multiplied by their scales. Either way attention applies the scales to the
+scores and probabilities (as the CUDA kernels of serving engines do), so no dequantized copy of
+the context is made. The formats are in :mod:`kvledger.layers.kv_quant`:
 
 * :class:`Int8KVCache`: int8 elements and a float16 scale per token, per KV head, for K and
   for V, kept in ``scales`` ``[L, 2, num_blocks, block_size, H_kv]`` beside the blocks, so a
@@ -26,7 +27,7 @@ from kvledger.layers.kv_quant import (
     INT8_SCALE_DTYPE, SCALE_DTYPE, dequantize_fp8, dequantize_int8, fp8_dtype, fp8_scale_for, quantize_fp8, quantize_int8,
     widen_fp8,
 )
-from kvledger.layers.paged_kv import DecodeKV, KVCache
+from kvledger.layers.paged_kv import DecodeKV, KVCache, LayerPools
 
 
 class Int8KVCache(KVCache):
@@ -47,6 +48,10 @@ class Int8KVCache(KVCache):
         q, scale = quantize_int8(torch.stack((k, v)))  # K and V together: [2, tokens, H_kv, d_h]
         self._flat[layer].index_copy_(1, slot_mapping, q)
         self._flat_scales[layer].index_copy_(1, slot_mapping, scale)
+
+    def layer_pools(self, layer: int) -> LayerPools:
+        pools, scales = self.storage[layer], self.scales[layer]
+        return LayerPools(pools[0], pools[1], scales[0], scales[1])
 
     def gather(self, layer: int, block_tables: torch.Tensor, num_tokens: int | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,6 +100,15 @@ class Fp8KVCache(KVCache):
         scales = self.scales[layer].view(2, 1, 1, 1)
         q = quantize_fp8(torch.stack((k, v)), scales, self.fp8)  # K and V together: [2, tokens, H_kv, d_h]
         self._flat[layer].index_copy_(1, slot_mapping, q.view(torch.uint8))
+
+    @property
+    def element_dtype(self) -> torch.dtype:
+        return self.fp8
+
+    def layer_pools(self, layer: int) -> LayerPools:
+        pools = self.storage[layer].view(self.fp8)
+        k_scale, v_scale = self._scale_values[layer] or (1.0, 1.0)
+        return LayerPools(pools[0], pools[1], k_scale=k_scale, v_scale=v_scale)
 
     def gather(self, layer: int, block_tables: torch.Tensor, num_tokens: int | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:

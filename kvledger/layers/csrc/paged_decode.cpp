@@ -1,10 +1,15 @@
 // Decode attention over the paged KV cache, read in place: one query per sequence.
 //
-// kvledger_cpu::paged_decode(out, q, k_pool, v_pool, block_tables, context_lens, scale)
+// kvledger_cpu::paged_decode(out, q, k_pool, v_pool, block_tables, context_lens, scale,
+//                            k_scales=None, v_scales=None, k_scale=1.0, v_scale=1.0)
 //   out, q        [B, H, d]       float32 or bfloat16, last dimension contiguous
-//   k_pool/v_pool [num_blocks, block_size, H_kv, d]   same dtype as q, contiguous
+//   k_pool/v_pool [num_blocks, block_size, H_kv, d]   contiguous: q's dtype, or an 8-bit cache's
+//                 elements (int8, float8_e4m3fn, float8_e5m2)
 //   block_tables  [B, max_blocks] int64 (rows padded past a sequence's last block)
 //   context_lens  [B]             int64, tokens each query attends to (its own included)
+//   k_scales/v_scales [num_blocks, block_size, H_kv] float16: the int8 cache's scale per token and
+//                 KV head (required with int8 pools, refused otherwise)
+//   k_scale/v_scale   the fp8 cache's scale per layer (1.0 otherwise)
 //
 // Work is split into spans (a sequence and a run of its blocks): a span reads each key and value
 // once, for every query head of its KV head (GQA), and keeps a partial softmax per query head
@@ -14,6 +19,13 @@
 // sizes the queries and accumulators are held in vector registers (span_fixed), and with AVX-512
 // the lanes of sixteen keys' products are summed in one tree of shuffles (sum_lanes16). Scores and
 // accumulations are float32 whatever the storage dtype, as SDPA does under a 16-bit model.
+//
+// 8-bit elements are widened to float32 as they are read and never dequantized into a copy; their
+// scales go where they cost least, as in attention over the dequantized K/V:
+//   score[t] = (scale * k_scale * q) . k[t] * k_scales[t]
+//   out      = v_scale * sum_t softmax(score)[t] * v_scales[t] * v[t]
+// a per-layer scale folded into the query and the output, a per-token one into the [n] scores and
+// probabilities of each query head.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -30,6 +43,8 @@
 
 namespace {
 
+using kvledger_cpu::Fp8E4M3;
+using kvledger_cpu::Fp8E5M2;
 using kvledger_cpu::load_floats;
 using kvledger_cpu::Vec;
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head this kernel takes
@@ -39,31 +54,56 @@ struct Span {
   int64_t seq, first_block, end_block;
 };
 
-// Where one span reads and writes.
-template <typename T>
+// Where one span reads and writes; KV is the pool's element type.
+template <typename KV>
 struct SpanArgs {
-  const T* q;            // the sequence's query rows, head stride q_head
-  int64_t q_head;
-  const T* k_pool;
-  const T* v_pool;
+  const float* q;        // the sequence's query rows [H, dim], float32
+  float q_mul;           // scale * the per-layer k_scale (and the fp8 widening's factor)
+  float v_mul;           // the per-layer v_scale (and the widening's factor)
+  const KV* k_pool;
+  const KV* v_pool;
+  const c10::Half* k_scales;  // per token and KV head ([num_blocks, block_size, H_kv]), or null
+  const c10::Half* v_scales;
   const int64_t* table;  // the sequence's block table
   int64_t t0, n;         // first position and number of positions
   int64_t block_size, token_stride, block_stride, kv_heads, group, dim;
-  float scale;
   float* max;            // [H] per query head: max score, sum of exp, weighted values [H, dim]
   float* sum;
   float* acc;
   float* scores;         // scratch, [n] per query head of one KV head
+  float* token_scales;   // scratch, [2n] (the scales as float32, and as stored)
 };
 
 // f(t, row) for the span's positions t = 0 .. n-1, row pointing at KV head kv_head of position
 // t0 + t in pool: one table lookup per block (spans start on a block boundary).
-template <typename T, typename F>
-inline void for_each_row(const T* pool, const SpanArgs<T>& a, int64_t kv_head, F&& f) {
+template <typename KV, typename F>
+inline void for_each_row(const KV* pool, const SpanArgs<KV>& a, int64_t kv_head, F&& f) {
   for (int64_t t = 0; t < a.n;) {
-    const T* r = pool + a.table[(a.t0 + t) / a.block_size] * a.block_stride + kv_head * a.dim;
+    const KV* r = pool + a.table[(a.t0 + t) / a.block_size] * a.block_stride + kv_head * a.dim;
     const int64_t end = std::min(a.n, t + a.block_size);
     for (; t < end; ++t, r += a.token_stride) f(t, r);
+  }
+}
+
+// rows[g * n + t] *= scales[t] for the G rows of one KV head, scales[t] read for KV head kv_head of
+// the span's positions from a per-token scale pool (null: nothing to do).
+template <typename KV>
+inline void scale_rows(const c10::Half* pool, const SpanArgs<KV>& a, int64_t kv_head, float* rows, int64_t rows_count) {
+  if (pool == nullptr) return;
+  float* s = a.token_scales;
+  auto* h = reinterpret_cast<c10::Half*>(s + a.n);  // the scales as stored, then as float32 in s
+  for (int64_t t = 0; t < a.n;) {
+    const c10::Half* r = pool + a.table[(a.t0 + t) / a.block_size] * a.block_size * a.kv_heads + kv_head;
+    const int64_t end = std::min(a.n, t + a.block_size);
+    for (; t < end; ++t, r += a.kv_heads) h[t] = *r;
+  }
+  kvledger_cpu::halves_to_floats(h, s, a.n);
+  constexpr int64_t W = Vec::size();
+  for (int64_t g = 0; g < rows_count; ++g) {
+    float* row = rows + g * a.n;
+    int64_t t = 0;
+    for (; t + W <= a.n; t += W) (Vec::loadu(row + t) * Vec::loadu(s + t)).store(row + t);
+    for (; t < a.n; ++t) row[t] *= s[t];
   }
 }
 
@@ -114,8 +154,8 @@ inline Vec sum_lanes16(const Vec* v) {
 #endif
 
 // Scores of one KV head's G query heads against the span's keys: scores[g * n + t].
-template <typename T, int D, int G>
-inline void span_scores(const SpanArgs<T>& a, int64_t j, const Vec (&qv)[G][D / Vec::size()]) {
+template <typename KV, int D, int G>
+inline void span_scores(const SpanArgs<KV>& a, int64_t j, const Vec (&qv)[G][D / Vec::size()]) {
   constexpr int64_t W = Vec::size();
   constexpr int C = D / W;
 #if defined(CPU_CAPABILITY_AVX512)
@@ -130,7 +170,7 @@ inline void span_scores(const SpanArgs<T>& a, int64_t j, const Vec (&qv)[G][D / 
       base += pending;
       pending = 0;
     };
-    for_each_row(a.k_pool, a, j, [&](int64_t, const T* k) {
+    for_each_row(a.k_pool, a, j, [&](int64_t, const KV* k) {
       Vec kx[C];
       for (int c = 0; c < C; ++c) kx[c] = load_floats(k + c * W);
       for (int g = 0; g < G; ++g) {
@@ -144,7 +184,7 @@ inline void span_scores(const SpanArgs<T>& a, int64_t j, const Vec (&qv)[G][D / 
     return;
   }
 #endif
-  for_each_row(a.k_pool, a, j, [&](int64_t t, const T* k) {
+  for_each_row(a.k_pool, a, j, [&](int64_t t, const KV* k) {
     Vec kx[C];
     for (int c = 0; c < C; ++c) kx[c] = load_floats(k + c * W);
     for (int g = 0; g < G; ++g) {
@@ -155,60 +195,65 @@ inline void span_scores(const SpanArgs<T>& a, int64_t j, const Vec (&qv)[G][D / 
   });
 }
 
+// Softmax numerators of the G query heads of KV head j from their scores (the per-token key
+// scales applied first, the per-token value scales after: the sum is of the probabilities alone).
+template <typename KV>
+inline void span_softmax(const SpanArgs<KV>& a, int64_t j, int64_t G) {
+  scale_rows(a.k_scales, a, j, a.scores, G);
+  for (int64_t g = 0; g < G; ++g) {
+    auto [m, total] = softmax_numerators(a.scores + g * a.n, a.n);
+    a.max[j * G + g] = m;
+    a.sum[j * G + g] = total;
+  }
+  scale_rows(a.v_scales, a, j, a.scores, G);
+}
+
 // One span with the head size D and the query heads per KV head G known at compile time, so
 // that the queries and the accumulators stay in vector registers.
-template <typename T, int D, int G>
-void span_fixed(const SpanArgs<T>& a) {
+template <typename KV, int D, int G>
+void span_fixed(const SpanArgs<KV>& a) {
   constexpr int64_t W = Vec::size();
   constexpr int C = D / W;
   for (int64_t j = 0; j < a.kv_heads; ++j) {
     Vec qv[G][C];
     for (int g = 0; g < G; ++g)
-      for (int c = 0; c < C; ++c) qv[g][c] = load_floats(a.q + (j * G + g) * a.q_head + c * W) * Vec(a.scale);
-    span_scores<T, D, G>(a, j, qv);
-    for (int g = 0; g < G; ++g) {
-      auto [m, total] = softmax_numerators(a.scores + g * a.n, a.n);
-      a.max[j * G + g] = m;
-      a.sum[j * G + g] = total;
-    }
+      for (int c = 0; c < C; ++c) qv[g][c] = Vec::loadu(a.q + (j * G + g) * D + c * W) * Vec(a.q_mul);
+    span_scores<KV, D, G>(a, j, qv);
+    span_softmax(a, j, G);
     Vec acc[G][C];
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < C; ++c) acc[g][c] = Vec(0.f);
-    for_each_row(a.v_pool, a, j, [&](int64_t t, const T* v) {
+    for_each_row(a.v_pool, a, j, [&](int64_t t, const KV* v) {
       for (int c = 0; c < C; ++c) {
         const Vec vx = load_floats(v + c * W);
         for (int g = 0; g < G; ++g) acc[g][c] = at::vec::fmadd(Vec(a.scores[g * a.n + t]), vx, acc[g][c]);
       }
     });
     for (int g = 0; g < G; ++g)
-      for (int c = 0; c < C; ++c) acc[g][c].store(a.acc + (j * G + g) * D + c * W);
+      for (int c = 0; c < C; ++c) (acc[g][c] * Vec(a.v_mul)).store(a.acc + (j * G + g) * D + c * W);
   }
 }
 
 // The same for any head size and group (both multiples checked by the caller), from memory.
-template <typename T>
-void span_any(const SpanArgs<T>& a) {
+template <typename KV>
+void span_any(const SpanArgs<KV>& a) {
   constexpr int64_t W = Vec::size();
   const int64_t G = a.group, D = a.dim;
   std::vector<float> qf(G * D);
   for (int64_t j = 0; j < a.kv_heads; ++j) {
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t x = 0; x < D; x += W) (load_floats(a.q + (j * G + g) * a.q_head + x) * Vec(a.scale)).store(qf.data() + g * D + x);
-    for_each_row(a.k_pool, a, j, [&](int64_t t, const T* k) {
+      for (int64_t x = 0; x < D; x += W) (Vec::loadu(a.q + (j * G + g) * D + x) * Vec(a.q_mul)).store(qf.data() + g * D + x);
+    for_each_row(a.k_pool, a, j, [&](int64_t t, const KV* k) {
       for (int64_t g = 0; g < G; ++g) {
         Vec d(0.f);
         for (int64_t x = 0; x < D; x += W) d = at::vec::fmadd(Vec::loadu(qf.data() + g * D + x), load_floats(k + x), d);
         a.scores[g * a.n + t] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, d);
       }
     });
-    for (int64_t g = 0; g < G; ++g) {
-      auto [m, total] = softmax_numerators(a.scores + g * a.n, a.n);
-      a.max[j * G + g] = m;
-      a.sum[j * G + g] = total;
-    }
+    span_softmax(a, j, G);
     float* acc = a.acc + j * G * D;
     std::fill(acc, acc + G * D, 0.f);
-    for_each_row(a.v_pool, a, j, [&](int64_t t, const T* v) {
+    for_each_row(a.v_pool, a, j, [&](int64_t t, const KV* v) {
       for (int64_t x = 0; x < D; x += W) {
         const Vec vx = load_floats(v + x);
         for (int64_t g = 0; g < G; ++g) {
@@ -217,48 +262,67 @@ void span_any(const SpanArgs<T>& a) {
         }
       }
     });
+    for (int64_t x = 0; x < G * D; x += W) (Vec::loadu(acc + x) * Vec(a.v_mul)).store(acc + x);
   }
 }
 
-template <typename T>
-using SpanFn = void (*)(const SpanArgs<T>&);
+template <typename KV>
+using SpanFn = void (*)(const SpanArgs<KV>&);
 
-template <typename T, int D>
-SpanFn<T> pick_group(int64_t group) {
+template <typename KV, int D>
+SpanFn<KV> pick_group(int64_t group) {
   switch (group) {
-    case 1: return span_fixed<T, D, 1>;
-    case 2: return span_fixed<T, D, 2>;
-    case 3: return span_fixed<T, D, 3>;
-    case 4: return span_fixed<T, D, 4>;
-    case 6: return span_fixed<T, D, 6>;
-    case 8: return span_fixed<T, D, 8>;
-    default: return span_any<T>;
+    case 1: return span_fixed<KV, D, 1>;
+    case 2: return span_fixed<KV, D, 2>;
+    case 3: return span_fixed<KV, D, 3>;
+    case 4: return span_fixed<KV, D, 4>;
+    case 6: return span_fixed<KV, D, 6>;
+    case 8: return span_fixed<KV, D, 8>;
+    default: return span_any<KV>;
   }
 }
 
-template <typename T>
-SpanFn<T> pick(int64_t dim, int64_t group) {
-  if (dim == 64 && 64 % Vec::size() == 0) return pick_group<T, 64>(group);
-  if (dim == 128 && 128 % Vec::size() == 0) return pick_group<T, 128>(group);
-  return span_any<T>;
+template <typename KV>
+SpanFn<KV> pick(int64_t dim, int64_t group) {
+  if (dim == 64 && 64 % Vec::size() == 0) return pick_group<KV, 64>(group);
+  if (dim == 128 && 128 % Vec::size() == 0) return pick_group<KV, 128>(group);
+  return span_any<KV>;
 }
 
-template <typename T>
+// The factor a pool's widened elements are off by (kvledger_cpu::Fp8E4M3), 1 for the others.
+template <typename KV>
+constexpr float widening_factor() {
+  if constexpr (std::is_same_v<KV, Fp8E4M3> || std::is_same_v<KV, Fp8E5M2>) {
+    return KV::kFactor;
+  } else {
+    return 1.f;
+  }
+}
+
+template <typename T, typename KV>
 void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale_) {
+            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+            const c10::Half* k_scales, const c10::Half* v_scales, double k_scale, double v_scale) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t block_size = k_pool.size(1), kv_heads = k_pool.size(2);
   const int64_t group = heads / kv_heads, max_blocks = block_tables.size(1);
-  const float scale = static_cast<float>(scale_);
-  const int64_t q_seq = q.stride(0), q_head = q.stride(1);
+  const float q_mul = static_cast<float>(scale * k_scale) * widening_factor<KV>();
+  const float v_mul = static_cast<float>(v_scale) * widening_factor<KV>();
   const int64_t o_seq = out.stride(0), o_head = out.stride(1);
   const int64_t token_stride = kv_heads * dim, block_stride = block_size * token_stride;
-  const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const T* kp = k_pool.data_ptr<T>();
-  const T* vp = v_pool.data_ptr<T>();
+  const KV* kp = reinterpret_cast<const KV*>(k_pool.data_ptr());
+  const KV* vp = reinterpret_cast<const KV*>(v_pool.data_ptr());
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
+
+  // The queries as float32 rows [B, H, dim] (a few kilobytes): the spans read one type whatever T.
+  std::vector<float> qf(batch * heads * dim);
+  const T* qp = q.data_ptr<T>();
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t x = 0; x < dim; x += Vec::size())
+        load_floats(qp + b * q.stride(0) + h * q.stride(1) + x).store(qf.data() + (b * heads + h) * dim + x);
 
   // Spans: at least two work items per thread where the batch alone gives fewer, none
   // shorter than 256 tokens.
@@ -285,22 +349,23 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool, cons
   const int64_t partial_size = heads * (dim + 2);  // per span: [H] max, [H] sum, [H, dim] acc
   std::vector<float> partial(num_spans * partial_size);
 
-  const SpanFn<T> run_span = pick<T>(dim, group);
+  const SpanFn<KV> run_span = pick<KV>(dim, group);
   at::parallel_for(0, num_spans, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scratch;
     for (int64_t i = begin; i < end; ++i) {
       const Span sp = spans[i];
       const int64_t t0 = sp.first_block * block_size;
       const int64_t n = std::max<int64_t>(0, std::min(lens[sp.seq], sp.end_block * block_size) - t0);
       float* mx = partial.data() + i * partial_size;
-      scores.resize(std::max<int64_t>(1, group * n));
-      const SpanArgs<T> args{qp + sp.seq * q_seq, q_head, kp, vp, tables + sp.seq * max_blocks, t0, n,
-                             block_size, token_stride, block_stride, kv_heads, group, dim, scale,
-                             mx, mx + heads, mx + 2 * heads, scores.data()};
       if (n == 0) {
         std::fill(mx, mx + partial_size, 0.f);  // an empty span: sum 0, merged as nothing
         continue;
       }
+      scratch.resize((group + 2) * n);
+      const SpanArgs<KV> args{qf.data() + sp.seq * heads * dim, q_mul, v_mul, kp, vp, k_scales, v_scales,
+                              tables + sp.seq * max_blocks, t0, n, block_size, token_stride, block_stride,
+                              kv_heads, group, dim, mx, mx + heads, mx + 2 * heads, scratch.data(),
+                              scratch.data() + group * n};
       run_span(args);
     }
   });
@@ -330,8 +395,34 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool, cons
   });
 }
 
+// The pool's element type as a kernel type, then decode<T, KV>.
+template <typename T>
+void decode_pools(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                  const c10::Half* k_scales, const c10::Half* v_scales, double k_scale, double v_scale) {
+  const auto run = [&](auto kv) {
+    decode<T, decltype(kv)>(out, q, k_pool, v_pool, block_tables, context_lens, scale, k_scales, v_scales, k_scale, v_scale);
+  };
+  switch (k_pool.scalar_type()) {
+    case at::kChar: return run(int8_t{});
+    case at::kFloat8_e4m3fn: return run(Fp8E4M3{});
+    case at::kFloat8_e5m2: return run(Fp8E5M2{});
+    default: return run(T{});  // the compute dtype itself (checked by the caller)
+  }
+}
+
+const c10::Half* token_scales(const std::optional<at::Tensor>& scales, const at::Tensor& pool, const char* name) {
+  if (!scales.has_value()) return nullptr;
+  TORCH_CHECK(scales->scalar_type() == at::kHalf && scales->is_contiguous() && scales->dim() == 3
+                  && scales->size(0) == pool.size(0) && scales->size(1) == pool.size(1) && scales->size(2) == pool.size(2),
+              "paged_decode: ", name, " must be contiguous float16 [num_blocks, block_size, H_kv] beside its pool");
+  return scales->data_ptr<c10::Half>();
+}
+
 void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                  const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales,
+                  double k_scale, double v_scale) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "paged_decode: q and out must be [B, H, d] alike");
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes(), "paged_decode: pools must be [blocks, block_size, H_kv, d]");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "paged_decode: pools must be contiguous");
@@ -339,18 +430,25 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_pool,
   TORCH_CHECK(q.size(2) == k_pool.size(3) && q.size(1) % k_pool.size(2) == 0, "paged_decode: head shapes disagree");
   TORCH_CHECK(q.size(2) % Vec::size() == 0, "paged_decode: head_dim must be a multiple of ", Vec::size());
   TORCH_CHECK(q.size(1) / k_pool.size(2) <= kMaxGroup, "paged_decode: at most ", kMaxGroup, " query heads per KV head");
-  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == out.scalar_type()
-                  && q.scalar_type() == v_pool.scalar_type(), "paged_decode: q, out and pools must share a dtype");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type(), "paged_decode: q and out must share a dtype");
+  const auto kv = k_pool.scalar_type();
+  const bool eight_bit = kv == at::kChar || kv == at::kFloat8_e4m3fn || kv == at::kFloat8_e5m2;
+  TORCH_CHECK(v_pool.scalar_type() == kv && (kv == q.scalar_type() || eight_bit),
+              "paged_decode: the pools must share a dtype, q's or an 8-bit one (int8, float8_e4m3fn, float8_e5m2), got ", kv);
+  TORCH_CHECK((kv == at::kChar) == k_scales.has_value() && k_scales.has_value() == v_scales.has_value(),
+              "paged_decode: per-token k_scales and v_scales go with int8 pools, and only with them");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong
                   && block_tables.is_contiguous() && context_lens.is_contiguous(),
               "paged_decode: block_tables and context_lens must be contiguous int64");
   TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "paged_decode: batch sizes disagree");
+  const c10::Half* ks = token_scales(k_scales, k_pool, "k_scales");
+  const c10::Half* vs = token_scales(v_scales, v_pool, "v_scales");
   if (q.scalar_type() == at::kFloat) {
-    decode<float>(out, q, k_pool, v_pool, block_tables, context_lens, scale);
+    decode_pools<float>(out, q, k_pool, v_pool, block_tables, context_lens, scale, ks, vs, k_scale, v_scale);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode<c10::BFloat16>(out, q, k_pool, v_pool, block_tables, context_lens, scale);
+    decode_pools<c10::BFloat16>(out, q, k_pool, v_pool, block_tables, context_lens, scale, ks, vs, k_scale, v_scale);
   } else {
-    TORCH_CHECK(false, "paged_decode: float32 or bfloat16 only, got ", q.scalar_type());
+    TORCH_CHECK(false, "paged_decode: float32 or bfloat16 queries only, got ", q.scalar_type());
   }
 }
 
@@ -358,7 +456,8 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_pool,
 
 TORCH_LIBRARY(kvledger_cpu, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> ()");
+        "Tensor context_lens, float scale, Tensor? k_scales=None, Tensor? v_scales=None, float k_scale=1.0, "
+        "float v_scale=1.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
