@@ -13,6 +13,7 @@ from kvledger.layers.attention import DecodeGroup, decode_attention
 from kvledger.layers.paged_decode import paged_decode_attention
 from kvledger.layers.paged_kv import KVCache
 from kvledger.layers.quantized_kv import make_kv_cache
+from tests.engine_helpers import tokens_and_last_logits
 
 BLOCKS, BS, H_KV, H, D = 12, 4, 2, 6, 32
 
@@ -161,7 +162,7 @@ def test_8bit_caches_read_in_place_give_the_exact_attention(kind, dtype):
     torch.manual_seed(4)
     cache = _filled_8bit_cache(kind, dtype, blocks=24, block_size=4, kv_heads=3, head_dim=64)
     pools = cache.layer_pools(0)
-    assert pools.k.dtype == cache.element_dtype != dtype
+    assert pools.k.dtype in paged_decode.EIGHT_BIT_DTYPES  # handed over as stored, not widened
     lens = torch.tensor([1, 9, 16, 30])
     tables = torch.zeros(4, 8, dtype=torch.int64)
     order, used = torch.randperm(24), 0
@@ -238,13 +239,9 @@ def test_engine_decodes_alike_with_the_kernel_and_with_the_gather(kind, max_toke
     prompts = [list(range(100, 100 + n)) for n in (5, 40, 130)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
-    def run() -> tuple[list[list[int]], torch.Tensor]:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs], runner.last_logits.clone()
-
-    with_kernel, kernel_logits = run()
+    with_kernel, kernel_logits = tokens_and_last_logits(llm, prompts, params)
     runner.decode_in_place = False
-    gathered, gathered_logits = run()
+    gathered, gathered_logits = tokens_and_last_logits(llm, prompts, params)
     assert with_kernel == gathered
     atol = 1e-4 if kind == "auto" else 1e-3
     torch.testing.assert_close(kernel_logits, gathered_logits, atol=atol, rtol=1e-4)

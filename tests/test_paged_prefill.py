@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from kvledger.layers import cpu_kernels, paged_prefill
 from kvledger.layers.paged_prefill import paged_prefill_attention
+from tests.engine_helpers import tokens_and_last_logits
 
 
 def _cache(blocks: int, block_size: int, kv_heads: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,8 +129,7 @@ def test_engine_prefills_alike_with_the_kernel_and_with_sdpa():
     def run() -> tuple[list[list[int]], torch.Tensor]:
         llm.llm_engine.pool.reset_prefix_cache()  # each run computes the same chunks from scratch
         llm.generate([base], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)  # caches the prefix
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs], runner.last_logits.clone()
+        return tokens_and_last_logits(llm, prompts, params)
 
     with_kernel, kernel_logits = run()
     runner.prefill_in_place = False

@@ -36,7 +36,7 @@ class ModelRunner:
         attn = model.layers[0].self_attn if hasattr(model, "layers") else None  # this rank's heads
         kernels = [] if attn is None else [cache.storage.device, cache.compute_dtype, attn.num_heads,
                                            attn.num_kv_heads, attn.head_dim]  # what they ask
-        self.decode_in_place = bool(kernels) and paged_decode.supports(*kernels, kv_dtype=cache.element_dtype)
+        self.decode_in_place = bool(kernels) and paged_decode.supports(*kernels, kv_dtype=cache.layer_pools(0).k.dtype)
         """Decodes read K/V in place with the CPU kernel (:mod:`kvledger.layers.paged_decode`) rather
         than gathering them (8-bit caches too)."""
         self.prefill_in_place = bool(kernels) and not cache.quantized and paged_prefill.preferred(*kernels)

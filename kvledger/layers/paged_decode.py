@@ -33,16 +33,15 @@ from kvledger.layers.paged_kv import LayerPools
 
 MAX_GROUP = 16
 """Query heads per KV head the kernel takes (``kMaxGroup`` in the C++)."""
-EIGHT_BIT_DTYPES = tuple(d for d in (torch.int8, getattr(torch, "float8_e4m3fn", None),
-                                     getattr(torch, "float8_e5m2", None)) if d is not None)
+EIGHT_BIT_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 """The 8-bit cache elements the kernel reads beside the compute dtype."""
 
 
 def supports(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
              kv_dtype: torch.dtype | None = None) -> bool:
-    """True when decode steps on this device, compute dtype, cache element dtype (``kv_dtype``,
-    :attr:`KVCache.element_dtype`; the compute dtype when None) and head shape run the kernel
-    (building it if it is not yet)."""
+    """True when decode steps on this device, compute dtype, cache element dtype (``kv_dtype``:
+    the dtype of :meth:`KVCache.layer_pools`; the compute dtype when None) and head shape run the
+    kernel (building it if it is not yet)."""
     if torch.device(device).type != "cpu" or dtype not in cpu_kernels.KERNEL_DTYPES:
         return False
     if kv_dtype is not None and kv_dtype != dtype and kv_dtype not in EIGHT_BIT_DTYPES:

@@ -103,12 +103,6 @@ class KVCache:
         return self.dtype != self.compute_dtype
 
     @property
-    def element_dtype(self) -> torch.dtype:
-        """The dtype of the pools' elements as :meth:`layer_pools` hands them over (an fp8 cache
-        keeps raw bytes but hands over its float8 dtype)."""
-        return self.dtype
-
-    @property
     def measured_bytes(self) -> int:
         """Bytes of the real cache tensors (all layers, K and V)."""
         return self.storage.numel() * self.storage.element_size()

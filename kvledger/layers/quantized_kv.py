@@ -101,10 +101,6 @@ class Fp8KVCache(KVCache):
         q = quantize_fp8(torch.stack((k, v)), scales, self.fp8)  # K and V together: [2, tokens, H_kv, d_h]
         self._flat[layer].index_copy_(1, slot_mapping, q.view(torch.uint8))
 
-    @property
-    def element_dtype(self) -> torch.dtype:
-        return self.fp8
-
     def layer_pools(self, layer: int) -> LayerPools:
         pools = self.storage[layer].view(self.fp8)
         k_scale, v_scale = self._scale_values[layer] or (1.0, 1.0)

@@ -61,7 +61,7 @@ inline Vec load_fp8(const F* p) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
   __m256i h;
-  if constexpr (F::kFactor == 1.f) {
+  if constexpr (std::is_same_v<F, Fp8E5M2>) {
     h = _mm256_slli_epi16(b, 8);
   } else {
     h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
@@ -71,7 +71,7 @@ inline Vec load_fp8(const F* p) {
 #elif defined(CPU_CAPABILITY_AVX2)
   const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
   __m128i h;
-  if constexpr (F::kFactor == 1.f) {
+  if constexpr (std::is_same_v<F, Fp8E5M2>) {
     h = _mm_slli_epi16(b, 8);
   } else {
     h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7),

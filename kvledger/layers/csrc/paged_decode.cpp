@@ -66,7 +66,7 @@ struct SpanArgs {
   const c10::Half* v_scales;
   const int64_t* table;  // the sequence's block table
   int64_t t0, n;         // first position and number of positions
-  int64_t block_size, token_stride, block_stride, kv_heads, group, dim;
+  int64_t block_size, token_stride, kv_heads, group, dim;
   float* max;            // [H] per query head: max score, sum of exp, weighted values [H, dim]
   float* sum;
   float* acc;
@@ -74,15 +74,23 @@ struct SpanArgs {
   float* token_scales;   // scratch, [2n] (the scales as float32, and as stored)
 };
 
-// f(t, row) for the span's positions t = 0 .. n-1, row pointing at KV head kv_head of position
-// t0 + t in pool: one table lookup per block (spans start on a block boundary).
+// f(t, p) for the span's positions t = 0 .. n-1, p pointing at offset `at` of position t0 + t in a
+// block pool of `token_stride` elements per position: one table lookup per block (spans start on
+// a block boundary).
+template <typename P, typename KV, typename F>
+inline void for_each_position(const P* pool, const SpanArgs<KV>& a, int64_t at, int64_t token_stride, F&& f) {
+  const int64_t block_stride = a.block_size * token_stride;
+  for (int64_t t = 0; t < a.n;) {
+    const P* p = pool + a.table[(a.t0 + t) / a.block_size] * block_stride + at;
+    const int64_t end = std::min(a.n, t + a.block_size);
+    for (; t < end; ++t, p += token_stride) f(t, p);
+  }
+}
+
+// f(t, row) with row the [dim] elements of KV head kv_head at the span's position t in a K or V pool.
 template <typename KV, typename F>
 inline void for_each_row(const KV* pool, const SpanArgs<KV>& a, int64_t kv_head, F&& f) {
-  for (int64_t t = 0; t < a.n;) {
-    const KV* r = pool + a.table[(a.t0 + t) / a.block_size] * a.block_stride + kv_head * a.dim;
-    const int64_t end = std::min(a.n, t + a.block_size);
-    for (; t < end; ++t, r += a.token_stride) f(t, r);
-  }
+  for_each_position(pool, a, kv_head * a.dim, a.token_stride, std::forward<F>(f));
 }
 
 // rows[g * n + t] *= scales[t] for the G rows of one KV head, scales[t] read for KV head kv_head of
@@ -92,11 +100,7 @@ inline void scale_rows(const c10::Half* pool, const SpanArgs<KV>& a, int64_t kv_
   if (pool == nullptr) return;
   float* s = a.token_scales;
   auto* h = reinterpret_cast<c10::Half*>(s + a.n);  // the scales as stored, then as float32 in s
-  for (int64_t t = 0; t < a.n;) {
-    const c10::Half* r = pool + a.table[(a.t0 + t) / a.block_size] * a.block_size * a.kv_heads + kv_head;
-    const int64_t end = std::min(a.n, t + a.block_size);
-    for (; t < end; ++t, r += a.kv_heads) h[t] = *r;
-  }
+  for_each_position(pool, a, kv_head, a.kv_heads, [&](int64_t t, const c10::Half* r) { h[t] = *r; });
   kvledger_cpu::halves_to_floats(h, s, a.n);
   constexpr int64_t W = Vec::size();
   for (int64_t g = 0; g < rows_count; ++g) {
@@ -309,7 +313,7 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool, cons
   const float q_mul = static_cast<float>(scale * k_scale) * widening_factor<KV>();
   const float v_mul = static_cast<float>(v_scale) * widening_factor<KV>();
   const int64_t o_seq = out.stride(0), o_head = out.stride(1);
-  const int64_t token_stride = kv_heads * dim, block_stride = block_size * token_stride;
+  const int64_t token_stride = kv_heads * dim;
   T* op = out.data_ptr<T>();
   const KV* kp = reinterpret_cast<const KV*>(k_pool.data_ptr());
   const KV* vp = reinterpret_cast<const KV*>(v_pool.data_ptr());
@@ -363,7 +367,7 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool, cons
       }
       scratch.resize((group + 2) * n);
       const SpanArgs<KV> args{qf.data() + sp.seq * heads * dim, q_mul, v_mul, kp, vp, k_scales, v_scales,
-                              tables + sp.seq * max_blocks, t0, n, block_size, token_stride, block_stride,
+                              tables + sp.seq * max_blocks, t0, n, block_size, token_stride,
                               kv_heads, group, dim, mx, mx + heads, mx + 2 * heads, scratch.data(),
                               scratch.data() + group * n};
       run_span(args);
