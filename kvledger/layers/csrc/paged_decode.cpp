@@ -320,13 +320,8 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool, cons
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
 
-  // The queries as float32 rows [B, H, dim] (a few kilobytes): the spans read one type whatever T.
-  std::vector<float> qf(batch * heads * dim);
   const T* qp = q.data_ptr<T>();
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t x = 0; x < dim; x += Vec::size())
-        load_floats(qp + b * q.stride(0) + h * q.stride(1) + x).store(qf.data() + (b * heads + h) * dim + x);
+  const int64_t q_seq = q.stride(0), q_head = q.stride(1);
 
   // Spans: at least two work items per thread where the batch alone gives fewer, none
   // shorter than 256 tokens.
@@ -365,11 +360,14 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool, cons
         std::fill(mx, mx + partial_size, 0.f);  // an empty span: sum 0, merged as nothing
         continue;
       }
-      scratch.resize((group + 2) * n);
-      const SpanArgs<KV> args{qf.data() + sp.seq * heads * dim, q_mul, v_mul, kp, vp, k_scales, v_scales,
-                              tables + sp.seq * max_blocks, t0, n, block_size, token_stride,
-                              kv_heads, group, dim, mx, mx + heads, mx + 2 * heads, scratch.data(),
-                              scratch.data() + group * n};
+      scratch.resize(heads * dim + (group + 2) * n);  // the query rows, scores, token scales
+      float* qf = scratch.data();  // the sequence's queries as float32: spans read one type whatever T
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t x = 0; x < dim; x += Vec::size())
+          load_floats(qp + sp.seq * q_seq + h * q_head + x).store(qf + h * dim + x);
+      const SpanArgs<KV> args{qf, q_mul, v_mul, kp, vp, k_scales, v_scales, tables + sp.seq * max_blocks, t0, n,
+                              block_size, token_stride, kv_heads, group, dim, mx, mx + heads, mx + 2 * heads,
+                              qf + heads * dim, qf + heads * dim + group * n};
       run_span(args);
     }
   });
