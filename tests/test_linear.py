@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvledger.layers import cpu_kernels
-from kvledger.layers.linear import PLAIN_FLOAT32, SKINNY_ROWS, SMALL_BATCH_ROWS, Linear, linear, pack_weight, packs
+from kvledger.layers.linear import SKINNY_ROWS, SMALL_BATCH_ROWS, Linear, linear, pack_weight, packs
 
 needs_onednn = pytest.mark.skipif(not packs(torch.float32), reason="torch built without oneDNN")
 
@@ -22,26 +22,26 @@ def _operands(rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+@pytest.mark.parametrize("rows", [1, 3, SKINNY_ROWS + 1, 17, 64, 512])
 def test_float32_prepacked_product_matches_f_linear(rows: int) -> None:
+    """A float32 weight prepacked by pack_weight (oneDNN above the few-row kernel's rows): float32
+    arithmetic in another order, so within float32's rounding of F.linear; a residual added in
+    the same kernel."""
     x, w, b, r = _operands(rows, torch.float32)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)  # prepacked by hand: pack_weight leaves float32 plain
-    torch.testing.assert_close(linear(x, w, b, packed), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    packed = pack_weight(w)
+    assert packed is not None and packed.dtype == torch.float32
+    y = linear(x, w, b, packed)
+    assert y.dtype == torch.float32 and y.shape == (rows, 80)
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(linear(x, w, None, packed, residual=r), F.linear(x, w) + r, rtol=1e-5, atol=1e-5)
 
 
-@needs_onednn
-@pytest.mark.parametrize("rows", [SKINNY_ROWS + 1, 17, 512])
-def test_float32_plain_onednn_product_matches_f_linear(rows: int) -> None:
-    """Above the few-row kernel's rows a float32 product goes to oneDNN with the plain weight
-    (PLAIN_FLOAT32): float32 arithmetic in another order, so within float32's rounding of F.linear."""
-    assert PLAIN_FLOAT32
+@pytest.mark.parametrize("rows", [SKINNY_ROWS + 1, 17])
+def test_unpacked_products_take_torchs_own(rows: int) -> None:
+    """Without a packed copy (a weight never packed, or not contiguous) F.linear computes the product."""
     x, w, b, r = _operands(rows, torch.float32)
-    y = linear(x, w, b)
-    assert y.dtype == torch.float32 and y.shape == (rows, 80)
-    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(linear(x, w, None, residual=r), F.linear(x, w) + r, rtol=1e-5, atol=1e-5)
-    # a transposed weight is not contiguous: torch's own product takes it, with the same result
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(linear(x, w, None, residual=r), F.linear(x, w) + r)
     wt = w.t().contiguous().t()
     torch.testing.assert_close(linear(x, wt, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
@@ -66,10 +66,12 @@ def test_bfloat16_product_through_a_float32_copy(rows: int) -> None:
 
 
 def test_pack_weight_follows_the_cpu() -> None:
-    """float32 is not packed (PLAIN_FLOAT32 multiplies it as it lies); bfloat16 packed as itself where the CPU has
-    bfloat16 kernels and as its float32 values elsewhere; other dtypes not at all."""
+    """float32 packed as itself; bfloat16 packed as itself where the CPU has bfloat16 kernels and as its
+    float32 values elsewhere; other dtypes not at all."""
     w = torch.randn(8, 16)
-    assert pack_weight(w) is None
+    if packs(torch.float32):
+        packed32 = pack_weight(w)
+        assert packed32 is not None and packed32.dtype == torch.float32 and torch.equal(packed32.to_dense(), w)
     assert pack_weight(w.half()) is None
     packed = pack_weight(w.bfloat16())
     if packs(torch.bfloat16):

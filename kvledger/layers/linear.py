@@ -6,15 +6,12 @@ our own for a few rows.
   multiplies it by the rows held in float32, float32 or bfloat16 weights, so the product runs at
   the speed of reading the weight. Not for a bfloat16 weight that oneDNN packed as bfloat16 (a
   CPU with AVX512-BF16 or AMX): its own kernels read it faster at any row count (below).
-* **More rows**, bfloat16: ``torch.ops.mkldnn._linear_pointwise`` on the weight reordered once,
-  at load (:meth:`Linear.pack`), into oneDNN's blocked layout: no per-call reorder, and the
-  kernels oneDNN picks for the CPU (AMX where it has it). A residual can be added in the same
-  kernel. On a CPU without bfloat16 kernels (AVX2 only: oneDNN refuses to reorder a bfloat16
-  weight there, and torch's own bfloat16 product runs at about 15 GFLOP/s) the weight is packed
+* **More rows**: ``torch.ops.mkldnn._linear_pointwise`` on the weight reordered once, at load
+  (:meth:`Linear.pack`), into oneDNN's blocked layout: no per-call reorder, and the kernels
+  oneDNN picks for the CPU (AMX where it has it). A residual can be added in the same kernel.
+  On a CPU without bfloat16 kernels (AVX2 only: oneDNN refuses to reorder a bfloat16 weight
+  there, and torch's own bfloat16 product runs at about 15 GFLOP/s) a bfloat16 weight is packed
   as its float32 values and the product computed in float32, rounded once to bfloat16.
-* **More rows**, float32: oneDNN's ``_linear_pointwise`` on the plain weight
-  (:data:`PLAIN_FLOAT32`): no second copy of the weights, and 1.4-1.9x MKL's ``F.linear`` on an
-  AMD EPYC. float32 weights are not prepacked (see :data:`PLAIN_FLOAT32`).
 * Elsewhere (other devices, other dtypes, inside a ``torch.compile`` graph): ``F.linear``.
 
 Measured on an AVX2 AMD EPYC (2 threads, SmolLM2's four projection shapes of all 30 layers, so
@@ -25,11 +22,15 @@ weights). On an AMD EPYC with AVX-512 and AVX512-BF16 (Zen 4), same shapes: floa
 57.8 / 79.4 / 72.9 / 192.8 / 941 ms, oneDNN on the plain weight 41.2 / 42.6 / 56.2 / 131.8 /
 664, prepacked 43.1 / 27.7 / 35.6 / 103.4 / 608, ``skinny_linear`` 26.7 at 1 row and 32.6 at 4;
 bfloat16 prepacked 17.4 / 16.7 / 19.4 / 52.0 / 308 against ``skinny_linear``'s 18.3 and 23.0 at
-1 and 4 rows. On a Xeon with AMX (1 thread, one layer's shapes) float32 was even between MKL and
+1 and 4 rows; over the engine's 64-request workload (24 requests, float32, eager, 4 alternating
+processes each) the prepacked float32 weights took 13.5 s against 15.7 s on the plain weight
+(medians; 14% faster). On a Xeon with AMX (1 thread, one layer's shapes) float32 was even between MKL and
 oneDNN (9.6 / 64.7 / 371 ms against 11.0 / 56.7 / 385 ms at 1 / 64 / 512 rows) and bfloat16
 prepacked beat ``F.linear`` (6.4 against 8.3 ms at 1 row, 10.1 against 17.1 at 64). The prepacked
-copy is kept beside the plain weight (which the few-row kernel and compiled graphs read), so a
-bfloat16 model's projections take twice their bytes (three times on an AVX2 CPU).
+copy is kept beside the plain weight (which the few-row kernel and compiled graphs read), so the
+projections take twice their bytes (a bfloat16 model's three times on an AVX2 CPU): for
+SmolLM2-135M in float32, 538 MB of weights and as much again packed (the process held 1,296 MB
+after loading the model, against 782 MB without the packed copies).
 """
 
 
@@ -46,15 +47,6 @@ SKINNY_ROWS = 4
 SMALL_BATCH_ROWS = 2
 """Up to this many rows, a bfloat16 product on a CPU without bfloat16 kernels reads the bfloat16
 weight (half the bytes of its float32 copy, and a product of a few rows is bound by them)."""
-
-
-PLAIN_FLOAT32 = True
-"""float32 products above :data:`SKINNY_ROWS` rows go to oneDNN with the plain weight: on an AMD
-EPYC with AVX-512 (Zen 4, 2 threads, SmolLM2's four projection shapes of all 30 layers, medians)
-42.6 / 56.2 / 131.8 / 664 ms at 4 / 16 / 64 / 512 rows against MKL's ``F.linear`` 79.4 / 72.9 /
-192.8 / 941 ms. float32 weights are not prepacked: the prepacked product (27.7 / 35.6 / 103.4 /
-608 ms) made the engine only about 7% faster on a workload, for a second copy of the weights
-(with it, the test suite's two workers once ran a 24 GiB machine out of memory)."""
 
 
 def packs(dtype: torch.dtype) -> bool:
@@ -74,11 +66,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     bfloat16 is a float32), and its products computed in float32 (:func:`linear`)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if weight.dtype != torch.bfloat16:  # float32 is multiplied as it lies (PLAIN_FLOAT32)
-        return None
-    if packs(torch.bfloat16):
+    if packs(weight.dtype):
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    if packs(torch.float32):
+    if packs(torch.float32):  # a bfloat16 weight on a CPU without bfloat16 kernels
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), None)
     return None
 
@@ -91,8 +81,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     native_bfloat16 = packed is not None and packed.dtype == x.dtype == torch.bfloat16
     if not native_bfloat16 and _skinny(x, weight, bias, residual):
         return torch.ops.kvledger_cpu.skinny_linear(x, weight, bias, residual)
-    if packed is None and _plain_float32(x, weight, bias, residual):
-        packed = weight  # oneDNN multiplies the plain float32 weight as it lies
     if packed is not None and packed.dtype != x.dtype:  # bfloat16 through its float32 copy
         if x.shape[0] > SMALL_BATCH_ROWS:
             y = torch.ops.mkldnn._linear_pointwise(x.float(), packed, None if bias is None else bias.float(),
@@ -124,13 +112,6 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
     return (_eager_cpu_operands(x, weight, bias, residual) and 1 <= x.shape[0] <= SKINNY_ROWS
             and x.dtype in cpu_kernels.KERNEL_DTYPES and weight.dtype in cpu_kernels.KERNEL_DTYPES
             and cpu_kernels.loaded() and x.shape[1] % cpu_kernels.vector_width() == 0)
-
-
-def _plain_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   residual: torch.Tensor | None) -> bool:
-    """True when a float32 product goes to oneDNN with the plain weight (:data:`PLAIN_FLOAT32`)."""
-    return (PLAIN_FLOAT32 and x.dtype == weight.dtype == torch.float32 and _eager_cpu_operands(x, weight, bias, residual)
-            and packs(torch.float32))
 
 
 class Linear(nn.Linear):
