@@ -91,11 +91,12 @@ def test_linear_module_after_pack(dtype: torch.dtype) -> None:
                                rtol=tol, atol=tol)
 
 
+KERNEL_MAX_ROWS = 4  # skinny_linear takes 1 to 4 rows; linear() sends it up to SKINNY_ROWS
 needs_kernels = pytest.mark.skipif(not cpu_kernels.loaded(), reason=f"kvledger CPU kernels not built: {cpu_kernels.reason()}")
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, SKINNY_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, KERNEL_MAX_ROWS])
 @pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                              (torch.float32, torch.bfloat16)])
 def test_skinny_linear_matches_a_float32_product(rows: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> None:
@@ -113,13 +114,15 @@ def test_skinny_linear_matches_a_float32_product(rows: int, x_dtype: torch.dtype
     full = torch.ops.kvledger_cpu.skinny_linear(x, w, b, r)
     torch.testing.assert_close(full, (F.linear(x.float(), w.float(), b.float()).to(x_dtype) + r), rtol=2e-2 if
                                x_dtype == torch.bfloat16 else 1e-5, atol=2e-2 if x_dtype == torch.bfloat16 else 1e-5)
-    assert torch.equal(linear(x, w, b, None, residual=r), full)  # linear() takes the kernel for these rows
+    if rows <= SKINNY_ROWS:  # linear() takes the kernel for these rows, whether or not the weight was packed
+        assert torch.equal(linear(x, w, b, None, residual=r), full)
+        assert torch.equal(linear(x, w, b, pack_weight(w), residual=r), full)
 
 
 @needs_kernels
 def test_skinny_linear_refuses_what_it_cannot_take() -> None:
-    x, w, _, _ = _operands(SKINNY_ROWS + 1, torch.float32)
-    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+    x, w, _, _ = _operands(KERNEL_MAX_ROWS + 1, torch.float32)
+    with pytest.raises(RuntimeError, match=f"1 to {KERNEL_MAX_ROWS} rows"):
         torch.ops.kvledger_cpu.skinny_linear(x, w, None, None)
     with pytest.raises(RuntimeError, match="contiguous"):
         torch.ops.kvledger_cpu.skinny_linear(x[:2], w.t().contiguous().t(), None, None)

@@ -1,11 +1,11 @@
 """Dense projections ``y = x W^T + b`` on CPU: oneDNN with the weight prepacked once, and a kernel of
 our own for a few rows.
 
-* **At most four rows** (a decode step of a few sequences, the LM head of a step): kvledger's
-  ``skinny_linear`` (:mod:`kvledger.layers.cpu_kernels`) streams the plain weight once and
-  multiplies it by the rows held in float32, float32 or bfloat16 weights, so the product runs at
-  the speed of reading the weight. Not for a bfloat16 weight that oneDNN packed as bfloat16 (a
-  CPU with AVX512-BF16 or AMX): its own kernels read it faster at any row count (below).
+* **At most three rows** (a decode step of a few sequences, the LM head of a step): kvledger's
+  ``skinny_linear`` (:mod:`kvledger.layers.cpu_kernels`) streams the plain weight once, one
+  row after the next, and multiplies it by the rows held in float32, float32 or bfloat16
+  weights, so the product runs at the speed of reading the weight; packed or not (at one row it
+  reads a bfloat16 weight about twice as fast as oneDNN's own kernels, below).
 * **More rows**: ``torch.ops.mkldnn._linear_pointwise`` on the weight reordered once, at load
   (:meth:`Linear.pack`), into oneDNN's blocked layout: no per-call reorder, and the kernels
   oneDNN picks for the CPU (AMX where it has it). A residual can be added in the same kernel.
@@ -24,7 +24,13 @@ weights). On an AMD EPYC with AVX-512 and AVX512-BF16 (Zen 4), same shapes: floa
 bfloat16 prepacked 17.4 / 16.7 / 19.4 / 52.0 / 308 against ``skinny_linear``'s 18.3 and 23.0 at
 1 and 4 rows; over the engine's 64-request workload (24 requests, float32, eager, 4 alternating
 processes each) the prepacked float32 weights took 13.5 s against 15.7 s on the plain weight
-(medians; 14% faster). On a Xeon with AMX (1 thread, one layer's shapes) float32 was even between MKL and
+(medians; 14% faster). Since ``skinny_linear`` reads one weight row after the next (it read
+four rows side by side before, and half as fast), on the same Zen 4 (the four shapes of 30
+layers and the LM head, alternating, best of 5): float32 at 1 / 2 / 3 / 4 rows 13.6 / 12.9 /
+19.4 / 23.7 ms against oneDNN prepacked 20.2 / 20.9 / 16.8 / 17.2 (a second run: 19.0 / 17.9 /
+19.8 / 22.5 against 24.7 / 24.9 / 21.9 / 19.5); bfloat16 7.7 / 9.0 / 11.0 / 12.5 against 14.2
+/ 12.2 / 12.0 / 10.8; the rows' kernel before the change took 19.4 ms (float32) and 12.1 ms
+(bfloat16) at one row. On a Xeon with AMX (1 thread, one layer's shapes) float32 was even between MKL and
 oneDNN (9.6 / 64.7 / 371 ms against 11.0 / 56.7 / 385 ms at 1 / 64 / 512 rows) and bfloat16
 prepacked beat ``F.linear`` (6.4 against 8.3 ms at 1 row, 10.1 against 17.1 at 64). The prepacked
 copy is kept beside the plain weight (which the few-row kernel and compiled graphs read), so the
@@ -42,7 +48,7 @@ from torch import nn
 
 from kvledger.layers import cpu_kernels
 
-SKINNY_ROWS = 4
+SKINNY_ROWS = 3
 """Products of at most this many rows run kvledger's ``skinny_linear`` kernel where it is built."""
 SMALL_BATCH_ROWS = 2
 """Up to this many rows, a bfloat16 product on a CPU without bfloat16 kernels reads the bfloat16
@@ -78,8 +84,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``x`` ``[tokens, in]`` times ``weight`` ``[out, in]`` transposed, plus ``bias``, plus
     ``residual`` ``[tokens, out]``: ``[tokens, out]`` in ``x``'s dtype. ``packed`` is
     :func:`pack_weight`'s copy of ``weight`` (used when given)."""
-    native_bfloat16 = packed is not None and packed.dtype == x.dtype == torch.bfloat16
-    if not native_bfloat16 and _skinny(x, weight, bias, residual):
+    if _skinny(x, weight, bias, residual):
         return torch.ops.kvledger_cpu.skinny_linear(x, weight, bias, residual)
     if packed is not None and packed.dtype != x.dtype:  # bfloat16 through its float32 copy
         if x.shape[0] > SMALL_BATCH_ROWS:

@@ -34,41 +34,38 @@ inline float reduce(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
 }
 
-// Output rows [n0, n1) for all M input rows; R weight rows at a time.
-template <typename TW, int M, int R>
-void rows(const float* xf, const TW* w, int64_t K, int64_t n0, int64_t n1, float* acc_out) {
-  constexpr int64_t W = Vec::size();
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    Vec acc[R][M];
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = Vec(0.f);
-    for (int64_t k = 0; k < K; k += W) {
-      Vec xv[M];
-      for (int m = 0; m < M; ++m) xv[m] = Vec::loadu(xf + m * K + k);
-      for (int r = 0; r < R; ++r) {
-        const Vec wv = load_floats(w + (n + r) * K + k);
-        for (int m = 0; m < M; ++m) acc[r][m] = at::vec::fmadd(wv, xv[m], acc[r][m]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) acc_out[m * (n1 - n0) + (n + r - n0)] = reduce(acc[r][m]);
-  }
-  for (; n < n1; ++n) {
-    Vec acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = Vec(0.f);
-    for (int64_t k = 0; k < K; k += W) {
-      const Vec wv = load_floats(w + n * K + k);
-      for (int m = 0; m < M; ++m) acc[m] = at::vec::fmadd(wv, Vec::loadu(xf + m * K + k), acc[m]);
-    }
-    for (int m = 0; m < M; ++m) acc_out[m * (n1 - n0) + (n - n0)] = reduce(acc[m]);
-  }
-}
-
+// Output rows [n0, n1) for all M input rows, one weight row after the next, so that each thread
+// reads its share of the weight as one forward stream: the hardware prefetcher follows one long
+// stream well, while a few rows read side by side (short streams of K values each) halved the
+// read rate at K = 576. U accumulators per input row (vectors k = u, u + U, ... of the row) hide
+// the latency of the fused multiply-adds.
 template <typename TW, int M>
 void rows_any(const float* xf, const TW* w, int64_t K, int64_t n0, int64_t n1, float* acc_out) {
-  if constexpr (M <= 2) rows<TW, M, 4>(xf, w, K, n0, n1, acc_out);
-  else rows<TW, M, 2>(xf, w, K, n0, n1, acc_out);
+  constexpr int64_t W = Vec::size();
+  constexpr int U = M <= 2 ? 4 : 2;
+  const int64_t unrolled = K / (W * U) * (W * U);
+  for (int64_t n = n0; n < n1; ++n) {
+    const TW* row = w + n * K;
+    Vec acc[M][U];
+    for (int m = 0; m < M; ++m)
+      for (int u = 0; u < U; ++u) acc[m][u] = Vec(0.f);
+    int64_t k = 0;
+    for (; k < unrolled; k += W * U) {
+      for (int u = 0; u < U; ++u) {
+        const Vec wv = load_floats(row + k + u * W);
+        for (int m = 0; m < M; ++m) acc[m][u] = at::vec::fmadd(wv, Vec::loadu(xf + m * K + k + u * W), acc[m][u]);
+      }
+    }
+    for (; k < K; k += W) {
+      const Vec wv = load_floats(row + k);
+      for (int m = 0; m < M; ++m) acc[m][0] = at::vec::fmadd(wv, Vec::loadu(xf + m * K + k), acc[m][0]);
+    }
+    for (int m = 0; m < M; ++m) {
+      Vec total = acc[m][0];
+      for (int u = 1; u < U; ++u) total = total + acc[m][u];
+      acc_out[m * (n1 - n0) + (n - n0)] = reduce(total);
+    }
+  }
 }
 
 template <typename TX, typename TW>
