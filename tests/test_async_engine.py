@@ -84,3 +84,37 @@ def test_drain_ends_what_is_in_flight_and_refuses_new_requests():
 
     asyncio.run(scenario())
     assert engine.pool.num_free_blocks == engine.num_blocks
+
+
+def test_every_step_runs_on_the_engine_thread():
+    """The server loads the model and runs every step on one thread (kvledger.server.engine_thread),
+    never on asyncio's pool: each thread that runs torch's parallel loops keeps an OpenMP team, and
+    two teams on a 2-core machine make every worker sleep between the step's small loops."""
+    import threading
+
+    from kvledger.server.engine_thread import on_engine_thread
+
+    engine = on_engine_thread(LLMEngine, EngineConfig(model="smollm2-135m", dtype="float32",
+                                                      kv_cache_memory="32MiB", max_model_len=256))
+    loader = on_engine_thread(threading.get_ident)
+    step_threads: set[int] = set()
+    real_step = engine.step
+
+    def step_that_notes_its_thread():  # the real step, its thread noted (this one engine instance)
+        step_threads.add(threading.get_ident())
+        return real_step()
+
+    engine.step = step_that_notes_its_thread
+
+    async def scenario() -> None:
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        try:
+            stream = await aengine.add("r", list(range(100, 140)), SamplingParams(max_tokens=4, temperature=0))
+            deltas = [d async for d in stream]
+            assert deltas[-1].finished and deltas[-1].num_output_tokens == 4
+        finally:
+            await aengine.stop()
+
+    asyncio.run(scenario())
+    assert step_threads == {loader}

@@ -107,11 +107,12 @@ class EngineReplica:
 
         from kvledger.engine.config import EngineConfig
         from kvledger.engine.llm_engine import LLMEngine
+        from kvledger.server.engine_thread import on_engine_thread
         from kvledger.server.launcher import build_app
 
         if num_threads:
-            torch.set_num_threads(num_threads)
-        self.engine = LLMEngine(EngineConfig(**engine_kwargs))
+            on_engine_thread(torch.set_num_threads, num_threads)
+        self.engine = on_engine_thread(LLMEngine, EngineConfig(**engine_kwargs))  # the thread that runs its steps
         self.app = build_app(self.engine, **app_kwargs)
         self._lifespan: Any = None
         self.name = serve.get_replica_context().replica_id.unique_id

@@ -2,8 +2,9 @@
 
 The engine (:class:`kvledger.engine.llm_engine.LLMEngine`) is synchronous and owned by a
 single asyncio task. Between steps that task applies what handlers asked for (new requests,
-aborts); each ``step()`` runs in a worker thread so the event loop keeps serving sockets
-while the model computes. Every running request, from every client, advances in the same
+aborts); each ``step()`` runs on the process's one engine thread
+(:mod:`kvledger.server.engine_thread`, where the server also loads the model) so the event loop
+keeps serving sockets while the model computes. Every running request, from every client, advances in the same
 step. Outputs go to one ``asyncio.Queue`` per request.
 
 Requests leave the engine the moment they finish, or at the next step boundary once their
@@ -29,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from kvledger.errors import KVLedgerError
+from kvledger.server.engine_thread import engine_thread
 
 log = logging.getLogger("kvledger.server")
 
@@ -239,7 +241,7 @@ class AsyncEngine:
         """Apply adds and aborts, run one step in a worker thread, hand out its outputs."""
         self._apply_pending()
         if self.engine.has_unfinished_requests():
-            outputs = await asyncio.to_thread(self.engine.step)
+            outputs = await asyncio.get_running_loop().run_in_executor(engine_thread(), self.engine.step)
             self.num_steps += 1
             self._dispatch(outputs)
         self._take_snapshot()
