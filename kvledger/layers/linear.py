@@ -27,8 +27,8 @@ processes each) the prepacked float32 weights took 13.5 s against 15.7 s on the 
 (medians; 14% faster). Since ``skinny_linear`` reads one weight row after the next (it read
 four rows side by side before, and half as fast), on the same Zen 4 (the four shapes of 30
 layers and the LM head, alternating, best of 5): float32 at 1 / 2 / 3 / 4 rows 13.6 / 12.9 /
-19.4 / 23.7 ms against oneDNN prepacked 20.2 / 20.9 / 16.8 / 17.2 (a second run: 19.0 / 17.9 /
-19.8 / 22.5 against 24.7 / 24.9 / 21.9 / 19.5); bfloat16 7.7 / 9.0 / 11.0 / 12.5 against 14.2
+19.4 / 23.7 ms against oneDNN prepacked 20.2 / 20.9 / 16.8 / 17.2 (an earlier run, with two
+accumulators at 2 rows: 19.0 / 17.9 / 19.8 / 22.5 against 24.7 / 24.9 / 21.9 / 19.5); bfloat16 7.7 / 9.0 / 11.0 / 12.5 against 14.2
 / 12.2 / 12.0 / 10.8; the rows' kernel before the change took 19.4 ms (float32) and 12.1 ms
 (bfloat16) at one row. On a Xeon with AMX (1 thread, one layer's shapes) float32 was even between MKL and
 oneDNN (9.6 / 64.7 / 371 ms against 11.0 / 56.7 / 385 ms at 1 / 64 / 512 rows) and bfloat16
