@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from typing import AsyncIterator
 
 import pytest
 
@@ -10,6 +12,17 @@ from kvledger.engine.config import EngineConfig
 from kvledger.engine.llm_engine import LLMEngine
 from kvledger.engine.sampling_params import SamplingParams
 from kvledger.server.async_engine import AsyncEngine, EngineDeadError
+
+
+@contextlib.asynccontextmanager
+async def running(engine: LLMEngine) -> AsyncIterator[AsyncEngine]:
+    """An AsyncEngine around ``engine``, its loop started, stopped on the way out."""
+    aengine = AsyncEngine(engine)
+    aengine.start()
+    try:
+        yield aengine
+    finally:
+        await aengine.stop()
 
 
 def test_a_failure_while_applying_aborts_still_answers_the_adds_behind_it():
@@ -24,9 +37,7 @@ def test_a_failure_while_applying_aborts_still_answers_the_adds_behind_it():
         raise RuntimeError("injected failure")
 
     async def scenario() -> None:
-        aengine = AsyncEngine(engine)
-        aengine.start()
-        try:
+        async with running(engine) as aengine:
             params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
             first = await aengine.add("first", list(range(100, 120)), params)
             await first.queue.get()  # the request is running
@@ -42,8 +53,6 @@ def test_a_failure_while_applying_aborts_still_answers_the_adds_behind_it():
             third = await aengine.add("third", list(range(300, 310)), SamplingParams(max_tokens=3, temperature=0))
             deltas = [d async for d in third]
             assert deltas[-1].finished and deltas[-1].num_output_tokens == 3
-        finally:
-            await aengine.stop()
 
     asyncio.run(scenario())
     assert engine.pool.num_free_blocks == engine.num_blocks
@@ -59,9 +68,7 @@ def test_drain_ends_what_is_in_flight_and_refuses_new_requests():
                                     max_model_len=256))
 
     async def scenario() -> None:
-        aengine = AsyncEngine(engine)
-        aengine.start()
-        try:
+        async with running(engine) as aengine:
             short = await aengine.add("short", list(range(100, 110)), SamplingParams(max_tokens=3, temperature=0))
             ended = await asyncio.wait_for(aengine.drain(30), timeout=60)  # the short one finishes in the drain
             assert ended == 0
@@ -79,8 +86,6 @@ def test_drain_ends_what_is_in_flight_and_refuses_new_requests():
             with pytest.raises(RequestFailedError) as refused:
                 await aengine.add("late", [1, 2, 3], SamplingParams(max_tokens=2))
             assert refused.value.status == 503
-        finally:
-            await aengine.stop()
 
     asyncio.run(scenario())
     assert engine.pool.num_free_blocks == engine.num_blocks
@@ -107,14 +112,10 @@ def test_every_step_runs_on_the_engine_thread():
     engine.step = step_that_notes_its_thread
 
     async def scenario() -> None:
-        aengine = AsyncEngine(engine)
-        aengine.start()
-        try:
+        async with running(engine) as aengine:
             stream = await aengine.add("r", list(range(100, 140)), SamplingParams(max_tokens=4, temperature=0))
             deltas = [d async for d in stream]
             assert deltas[-1].finished and deltas[-1].num_output_tokens == 4
-        finally:
-            await aengine.stop()
 
     asyncio.run(scenario())
     assert step_threads == {loader}

@@ -238,7 +238,7 @@ class AsyncEngine:
             await asyncio.sleep(0)  # let handlers run between steps
 
     async def _iteration(self) -> None:
-        """Apply adds and aborts, run one step in a worker thread, hand out its outputs."""
+        """Apply adds and aborts, run one step on the engine thread, hand out its outputs."""
         self._apply_pending()
         if self.engine.has_unfinished_requests():
             outputs = await asyncio.get_running_loop().run_in_executor(engine_thread(), self.engine.step)

@@ -40,7 +40,7 @@ inline float reduce(const Vec& v) {
 // read rate at K = 576. U accumulators per input row (vectors k = u, u + U, ... of the row) hide
 // the latency of the fused multiply-adds.
 template <typename TW, int M>
-void rows_any(const float* xf, const TW* w, int64_t K, int64_t n0, int64_t n1, float* acc_out) {
+void rows(const float* xf, const TW* w, int64_t K, int64_t n0, int64_t n1, float* acc_out) {
   constexpr int64_t W = Vec::size();
   constexpr int U = M <= 2 ? 4 : 2;
   const int64_t unrolled = K / (W * U) * (W * U);
@@ -84,10 +84,10 @@ void product(const at::Tensor& x, const at::Tensor& weight, const std::optional<
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     std::vector<float> acc(M * (n1 - n0));
     switch (M) {
-      case 1: rows_any<TW, 1>(xf.data(), wp, K, n0, n1, acc.data()); break;
-      case 2: rows_any<TW, 2>(xf.data(), wp, K, n0, n1, acc.data()); break;
-      case 3: rows_any<TW, 3>(xf.data(), wp, K, n0, n1, acc.data()); break;
-      default: rows_any<TW, 4>(xf.data(), wp, K, n0, n1, acc.data()); break;
+      case 1: rows<TW, 1>(xf.data(), wp, K, n0, n1, acc.data()); break;
+      case 2: rows<TW, 2>(xf.data(), wp, K, n0, n1, acc.data()); break;
+      case 3: rows<TW, 3>(xf.data(), wp, K, n0, n1, acc.data()); break;
+      default: rows<TW, 4>(xf.data(), wp, K, n0, n1, acc.data()); break;
     }
     for (int64_t m = 0; m < M; ++m) {
       for (int64_t n = n0; n < n1; ++n) {
