@@ -15,22 +15,38 @@ Six kernels, each where torch's general ones leave this CPU idle:
 
 They are compiled with the C++ compiler that ``torch.compile`` needs too
 (``torch.utils.cpp_extension``), for the vector instructions inductor picks for this CPU, in
-about 20 s; torch caches the build on disk, keyed by the sources and flags. Where they cannot
-be built (no compiler), or with ``KVLEDGER_CPU_KERNELS=0``, the engine runs torch's own
-operators (SDPA over fresh or gathered K/V, the composite norm, RoPE and gate, oneDNN's or MKL's products) and says why once in its log.
+about a minute on two cores. The build lives in a directory of torch's extension root keyed by
+a hash of the sources, the flags and the torch and Python versions (:func:`build_directory`), so
+two checkouts with the same sources share one build and different sources never rebuild over
+each other. Builders take an advisory lock on that directory (``flock``, which the system
+releases when a process dies), so a build killed halfway never leaves behind a lock that makes
+every later load wait forever (torch's own lock file is cleared while the lock is held). A
+process that waits longer than ``KVLEDGER_CPU_KERNELS_WAIT_S`` (default 900 s) for another
+one's build gives up. Where they cannot be built (no compiler, the wait given up), or with
+``KVLEDGER_CPU_KERNELS=0``, the engine runs torch's own operators (SDPA over fresh or gathered
+K/V, the composite norm, RoPE and gate, oneDNN's or MKL's products) and says why once in its log.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import logging
 import os
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 CPU_KERNELS_ENV = "KVLEDGER_CPU_KERNELS"
+WAIT_ENV = "KVLEDGER_CPU_KERNELS_WAIT_S"
+DEFAULT_WAIT_S = 900.0
+"""Seconds a process waits for another one's build of the same kernels before it gives up."""
+NAME = "kvledger_cpu_kernels"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes the kernels compute in."""
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "rms_norm.cpp", "rotary.cpp", "silu_and_mul.cpp",
@@ -42,9 +58,8 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}  # "loaded": bool, "width": floats per vector, "reason": str
 
 
-def _build() -> None:
-    from torch.utils import cpp_extension
-
+def _flags() -> tuple[list[str], int]:
+    """The compiler flags for this CPU and the floats per vector they give."""
     flags = ["-O3", "-fopenmp"]
     width = 8  # floats per vector without a vector ISA (ATen's default: 32 bytes)
     try:  # the vector ISA inductor would use on this CPU, and ATen's macro for it
@@ -56,9 +71,57 @@ def _build() -> None:
             width = isa.nelements(torch.float32)
     except Exception as err:  # noqa: BLE001 - a private API: plain C++ still works
         log.info("no vector ISA for the CPU kernels (%s); building them without one", err)
+    return flags, width
+
+
+def build_directory(flags: list[str] | None = None) -> Path:
+    """Where the kernels for these sources and flags are built: ``<torch extension root>/
+    kvledger_cpu_kernels/<hash>``, the root being ``TORCH_EXTENSIONS_DIR`` or torch's default."""
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha256()
+    for source in sorted(SOURCES + list(SOURCES[0].parent.glob("*.h"))):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    key = [*(flags if flags is not None else _flags()[0]), torch.__version__, sys.version.split()[0]]
+    digest.update("\0".join(key).encode())
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / NAME / digest.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path, wait_s: float) -> Iterator[None]:
+    """Holds the advisory lock on ``directory`` (waiting up to ``wait_s`` seconds for another
+    process's build), with torch's own lock file cleared: whoever left one holds no lock now, so
+    it was killed mid-build. Raises TimeoutError after the wait."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "kvledger.lock", "w") as handle:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building the CPU kernels in {directory} for over "
+                                       f"{wait_s:.0f} s; let it finish or raise {WAIT_ENV}") from None
+                time.sleep(0.2)
+        try:
+            (directory / "lock").unlink(missing_ok=True)  # torch's FileBaton, left by a killed build
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    flags, width = _flags()
+    directory = build_directory(flags)
+    wait_s = float(os.environ.get(WAIT_ENV, DEFAULT_WAIT_S))
     started = time.perf_counter()
-    cpp_extension.load(name="kvledger_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=flags,
-                       is_python_module=False, verbose=False)
+    with build_lock(directory, wait_s):
+        cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=flags, build_directory=str(directory),
+                           is_python_module=False, verbose=False)
     log.info("kvledger CPU kernels ready in %.1f s", time.perf_counter() - started)
     _state["width"] = width
 
