@@ -5,8 +5,6 @@ for, strided query rows, and the engine with the kernel against the engine witho
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,14 +42,19 @@ def test_the_kernel_builds_here():
     assert not paged_prefill.supports(torch.device("cpu"), torch.float32, 9, 4, 64)
 
 
-def test_the_engine_prefers_sdpa_for_bfloat16_on_amx_only():
-    """float32 chunks run the kernel everywhere it builds; bfloat16 ones run it except on a CPU with
-    AMX tiles, whose flash SDPA multiplies faster (and the kernel still serves them when asked)."""
-    cpu = torch.device("cpu")
-    assert paged_prefill.preferred(cpu, torch.float32, 9, 3, 64)
-    assert paged_prefill.preferred(cpu, torch.bfloat16, 9, 3, 64) is not paged_prefill.amx()
-    assert paged_prefill.amx() == ("amx_tile" in Path("/proc/cpuinfo").read_text().split())
-    assert not paged_prefill.preferred(cpu, torch.float32, 9, 3, 96)
+def _check_chunk(dtype: torch.dtype, tol: float, n: int, computed: int, bs: int, heads: int, kv_heads: int,
+                 scale: float) -> None:
+    """A chunk of ``n`` queries after ``computed`` cached tokens, over blocks of ``bs`` in random
+    order (a few spare blocks outside the table), against :func:`_reference`."""
+    torch.manual_seed(n * 1000 + computed)
+    dim = 64
+    blocks = -(-(computed + n) // bs)
+    k_pool, v_pool = _cache(blocks + 5, bs, kv_heads, dim, dtype)
+    table = torch.randperm(blocks + 5)[:blocks]
+    q = torch.randn(n, heads, dim).to(dtype)
+    out = paged_prefill_attention(q, k_pool, v_pool, table, computed, scale)
+    assert out.dtype == dtype and out.shape == (n, heads, dim)
+    torch.testing.assert_close(out.float(), _reference(q, k_pool, v_pool, table, computed, scale), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
@@ -59,26 +62,27 @@ def test_the_engine_prefers_sdpa_for_bfloat16_on_amx_only():
 def test_matches_causal_attention_over_the_gathered_context(dtype, tol, n, computed):
     """Chunks of ``n`` queries after ``computed`` cached tokens, blocks of 4 out of order: the last
     block is part-filled and the last key tile of 32 too."""
-    torch.manual_seed(n * 1000 + computed)
-    bs, kv_heads, heads, dim = 4, 2, 6, 64
-    ctx = computed + n
-    blocks = -(-ctx // bs)
-    k_pool, v_pool = _cache(blocks + 5, bs, kv_heads, dim, dtype)
-    table = torch.randperm(blocks + 5)[:blocks]
-    q = torch.randn(n, heads, dim).to(dtype)
-    out = paged_prefill_attention(q, k_pool, v_pool, table, computed, 0.3)
-    assert out.dtype == dtype and out.shape == (n, heads, dim)
-    torch.testing.assert_close(out.float(), _reference(q, k_pool, v_pool, table, computed, 0.3), atol=tol, rtol=tol)
+    _check_chunk(dtype, tol, n, computed, bs=4, heads=6, kv_heads=2, scale=0.3)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 5e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("n, computed", [(300, 0), (70, 250), (129, 400)])
+def test_long_chunks_match_causal_attention(dtype, tol, n, computed):
+    """Contexts longer than one chunk of the matrix-unit path (256 positions) and chunks of more
+    than one of its work items (64 queries), SmolLM2's heads, blocks of 16; float32 within the
+    rounding of a few hundred terms (as for the head shapes below)."""
+    _check_chunk(dtype, tol, n, computed, bs=16, heads=9, kv_heads=3, scale=0.125)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 5e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(4, 4, 128), (4, 1, 256), (9, 3, 64)])
-def test_head_shapes(heads, kv_heads, dim):
+def test_head_shapes(heads, kv_heads, dim, dtype, tol):
     torch.manual_seed(dim)
-    k_pool, v_pool = _cache(30, 8, kv_heads, dim, torch.float32)
+    k_pool, v_pool = _cache(30, 8, kv_heads, dim, dtype)
     table = torch.randperm(30)[:20]
-    q = torch.randn(70, heads, dim)
+    q = torch.randn(70, heads, dim).to(dtype)
     out = paged_prefill_attention(q, k_pool, v_pool, table, 85, dim ** -0.5)
-    torch.testing.assert_close(out, _reference(q, k_pool, v_pool, table, 85, dim ** -0.5), atol=5e-6, rtol=5e-6)
+    torch.testing.assert_close(out.float(), _reference(q, k_pool, v_pool, table, 85, dim ** -0.5), atol=tol, rtol=tol)
 
 
 def test_keys_past_the_context_and_after_a_query_change_nothing():

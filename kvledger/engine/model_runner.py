@@ -39,9 +39,9 @@ class ModelRunner:
         self.decode_in_place = bool(kernels) and paged_decode.supports(*kernels, kv_dtype=cache.layer_pools(0).k.dtype)
         """Decodes read K/V in place with the CPU kernel (:mod:`kvledger.layers.paged_decode`) rather
         than gathering them (8-bit caches too)."""
-        self.prefill_in_place = bool(kernels) and not cache.quantized and paged_prefill.preferred(*kernels)
+        self.prefill_in_place = bool(kernels) and not cache.quantized and paged_prefill.supports(*kernels)
         """Prefill chunks read K/V in place with the CPU kernel (:mod:`kvledger.layers.paged_prefill`)
-        where it is the faster way; otherwise flash SDPA runs them."""
+        where it serves the cache; otherwise flash SDPA runs them."""
         self.last_logits: torch.Tensor | None = None  # [samplers, vocab] of the latest step (tests read it)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:

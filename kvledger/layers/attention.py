@@ -16,8 +16,8 @@ first (:meth:`KVCache.write`), then attention runs:
   and the probabilities, so the context is never dequantized into a full-size copy;
 * prefill chunks: on CPU, over a cache that stores the compute dtype, the prefill kernel reads
   K/V in place for a first chunk and a later one alike (:mod:`kvledger.layers.paged_prefill`;
-  ``AttentionMetadata.prefill_in_place``), except bfloat16 on a CPU with AMX, where flash SDPA
-  is faster (:func:`kvledger.layers.paged_prefill.preferred`). Otherwise a chunk that starts
+  ``AttentionMetadata.prefill_in_place``; bfloat16 on the matrix unit where the CPU has AMX).
+  Otherwise a chunk that starts
   at position 0 runs causal SDPA over its own fresh K/V, and a later chunk (chunked prefill,
   prefix-cache hit, recompute) SDPA over K/V gathered through its block table with a causal
   mask offset by the tokens already in the cache; on CPU SDPA gets contiguous copies of its

@@ -6,26 +6,42 @@ its table, each query seeing the keys up to its own position. The chunk's own K/
 the cache first, so a first chunk (nothing cached) and a later one (chunked prefill, a
 prefix-cache hit) are the same call, and nothing is gathered into a ``[1, H_kv, T, d]`` copy.
 
-The kernel (``csrc/paged_prefill.cpp``) is flash attention on the CPU's vectors: the context of
-each KV head is copied once into float32 tiles (keys transposed), then blocks of 16 query
-positions, with all the query heads of their KV head (GQA), walk the key tiles up to their
-causal end with an online softmax, in float32 (as SDPA does under a 16-bit model). Nothing above
-the diagonal is computed, past the tile that holds it. vLLM's CPU backend has an attention kernel
-of its own for its prefills too.
+The kernel (``csrc/paged_prefill.cpp``) is flash attention: blocks of query positions, with all
+the query heads of their KV head (GQA), walk the context's keys up to their causal end with an
+online softmax in float32 (as SDPA does under a 16-bit model); nothing above the diagonal is
+computed, past the chunk of keys that holds it. vLLM's CPU backend has an attention kernel of
+its own for its prefills too. It has two paths:
 
-Measured on an AMD EPYC with AVX-512 (2 threads, SmolLM2's 9 query and 3 KV heads of 64): a
-512-token prompt's attention took 2.5 ms a layer in the engine against 4.95 ms for the CPU
-flash SDPA it replaces (vLLM's own kernel: 2.3 ms); one layer alone, medians, float32 3.5
-against 6.9 ms at 512 tokens and 11.0 against 12.5 ms for 256 new tokens after 1,792 cached.
-Key tiles of 32 positions ran about 5% faster than 16 or 64. The float32 copy of the context
-takes ``2 * context * H_kv * d * 4`` bytes (1.5 MiB for SmolLM2 at 1,024 tokens); the calling
-thread keeps it for the next layer up to 64 MiB, and frees a larger one after its call.
+* **through oneDNN** (float32 everywhere; bfloat16 on a CPU whose matrix unit multiplies it, AMX,
+  where ATen's batch-reduce GEMM can pack for it, ``cpublas::could_pack``): the context of each
+  KV head is copied once into chunks of up to 256 positions (keys transposed; bfloat16 in the
+  matrix unit's layout), and each work item, 64 query positions, gets its scores ``Q K^T`` and
+  its ``P V`` from ATen's batch-reduce GEMM (``cpublas::brgemm``, as torch's flash SDPA), with
+  the probabilities rounded to bfloat16 in a bfloat16 model, as SDPA does; ``exp`` is torch's
+  faster vector one (20 ulp), as in its flash SDPA;
+* **on the vectors** (bfloat16 on a CPU without AMX): the context copied once into float32 tiles
+  of 32 positions, blocks of 16 query positions, scores and weighted sums in register
+  accumulators.
 
-On an Intel Xeon with AMX (2 threads, bfloat16, SmolLM2's heads, best of 10) torch's
-flash SDPA, given contiguous operands, multiplies on the AMX tiles and beats this kernel, which
-multiplies in float32: 1.08 against 1.88 ms at 512 new tokens, 9.4 against 26.0 at 2,048, and,
-with K/V gathered through the block table and a mask, 3.1 against 6.3 ms for 256 new tokens after
-1,792 cached. There bfloat16 chunks go to SDPA; float32 ones stay here (3.0 against 1.7 ms at 512).
+Measured on an AMD EPYC with AVX-512 (2 threads, SmolLM2's 9 query and 3 KV heads of 64), the
+vector path in float32: a 512-token prompt's attention took 2.5 ms a layer in the engine against
+4.95 ms for the CPU flash SDPA it replaced (vLLM's own kernel: 2.3 ms); one layer alone, medians,
+3.5 against 6.9 ms at 512 tokens and 11.0 against 12.5 ms for 256 new tokens after 1,792 cached.
+Key tiles of 32 positions ran about 5% faster than 16 or 64.
+
+On an Intel Xeon with AMX (2 threads, SmolLM2's heads, best of 20), through oneDNN: bfloat16
+0.60-0.65 ms at 512 new tokens against 0.78-1.03 ms for flash SDPA on contiguous copies (the
+vector path: 1.88 ms), 1.90-1.95 against 1.99-2.06 ms for 256 new tokens after 1,792 cached (SDPA
+with a mask over gathered K/V), 7.9-8.5 against 8.0-8.8 ms at 2,048 (the machine's spread);
+float32 1.42 / 5.06 / 20.3 ms against the vector path's 1.69 / 6.11 / 25.6 and SDPA's 2.2 / 5.1
+/ 22.8. In the engine a 512-token bfloat16 prefill took 123-129 ms against 133-138 ms with SDPA.
+Key chunks of 128 positions and work items of 32 or 16 positions were 5-15% slower; oneDNN's
+packing routine refuses a ``[64][256]`` operand (its packed rows take at most 64 columns), so
+the kernel lays the chunks out itself.
+
+The copy of the context takes ``2 * context * H_kv * d`` elements (float32 on the vector path;
+1.5 MiB for SmolLM2 at 1,024 tokens); the calling thread keeps it for the next layer up to 64
+MiB, and frees a larger one after its call.
 
 It serves float32 and bfloat16 caches on CPU that store the compute dtype, head sizes 64, 128
 and 256, causal attention without a sliding window; elsewhere attention runs SDPA (over the fresh
@@ -50,20 +66,6 @@ def supports(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_he
     if num_heads % num_kv_heads or head_dim not in HEAD_DIMS:
         return False
     return cpu_kernels.loaded()
-
-
-def preferred(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """True when the engine runs prefill chunks through the kernel: where it :func:`supports` them,
-    except bfloat16 on a CPU with AMX, where torch's flash SDPA is faster (see above)."""
-    if dtype == torch.bfloat16 and amx():
-        return False
-    return supports(device, dtype, num_heads, num_kv_heads, head_dim)
-
-
-def amx() -> bool:
-    """True on a CPU with AMX tiles (and a torch that says so)."""
-    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(check is not None and check())
 
 
 def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,

@@ -102,9 +102,30 @@ inline void halves_to_floats(const c10::Half* h, float* f, int64_t n) {
 
 inline void store_floats(const Vec& v, float* p) { v.store(p); }
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// The bfloat16 bit patterns of v's lanes, rounded to nearest even as c10::BFloat16's own
+// conversion does. The CPU's conversion instruction rounds the same way for every normal value
+// and zero; it flushes subnormal inputs to zero and keeps NaN payloads, so a vector with such a
+// lane (rare: the kernels' values are neither) takes ATen's conversion instead.
+inline __m256i bf16_bits(const Vec& v) {
+  const __m512 x = v;
+  const __m512 magnitude = _mm512_abs_ps(x);
+  const __mmask16 odd = _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(1.17549435e-38f), _CMP_NGE_UQ)
+                        & _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+  if (odd == 0) return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+  __m256i bits;
+  at::vec::convert_from_float<c10::BFloat16>(v, v).store(&bits, Vec::size());
+  return bits;
+}
+#endif
+
 // Rounds to nearest even, as c10::BFloat16's own conversion does.
 inline void store_floats(const Vec& v, c10::BFloat16* p) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(v));
+#else
   at::vec::convert_from_float<c10::BFloat16>(v, v).store(p, Vec::size());
+#endif
 }
 
 // v as it would be after a store to T and a load back: itself for float32, rounded for bfloat16.
@@ -113,7 +134,11 @@ inline Vec round_as(const Vec& v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
   } else {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+    return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16)));
+#else
     return std::get<0>(at::vec::convert_to_float<c10::BFloat16>(at::vec::convert_from_float<c10::BFloat16>(v, v)));
+#endif
   }
 }
 

@@ -18,9 +18,13 @@
 // key vector loaded once for those rows; the weighted sum keeps a few rows' accumulators in
 // registers. Items are ordered so that the threads' shares of
 // causal work are even (a late block of queries pairs with an early one).
+//
+// That is the path of bfloat16 on a CPU without a matrix unit. float32, and bfloat16 on a CPU
+// with AMX, take prefill_gemm (below): the same algorithm with its two products through oneDNN.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -169,7 +173,7 @@ void query_block(const T* q, int64_t q_pos_stride, int64_t q_head_stride, T* out
       const Vec mb(m_new);
       Vec sum(0.f);
       for (int c = 0; c < kTileVecs; ++c) {
-        const Vec e = (Vec::loadu(sr + c * kW) - mb).exp();
+        const Vec e = (Vec::loadu(sr + c * kW) - mb).exp_u20();
         e.store(sr + c * kW);
         sum = sum + e;
       }
@@ -269,15 +273,182 @@ void prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool, con
   });
 }
 
+
+// ---- float32, and bfloat16 on a CPU with a matrix unit (AMX): the products through oneDNN ----
+//
+// The same flash attention, with the two products of each step through ATen's batch-reduce GEMM
+// (at::native::cpublas::brgemm, oneDNN's micro-kernels; torch's flash SDPA uses it too):
+// scores = Q K^T (float32 out), then O += P V, in float32, or with bfloat16 operands on the
+// matrix unit and the probabilities rounded to bfloat16 (as SDPA does under a bfloat16 model).
+// The online softmax stays in float32 on the vectors. The context of each KV head is copied once
+// into chunks of kGemmChunk positions (keys transposed; for bfloat16 in the matrix unit's layout,
+// pairs of rows interleaved); the queries of a work item (kGemmQueryBlock positions x the query
+// heads of one KV head) are copied into one [rows][d] block, so that every key chunk is
+// multiplied once for the whole group.
+
+constexpr int64_t kGemmQueryBlock = 64;  // query positions per work item
+constexpr int64_t kGemmChunk = 256;      // key positions per packed chunk (fewer for a shorter context)
+constexpr int64_t kGemmCols = 32;        // a chunk's scores are computed in multiples of this many keys
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+template <typename BF, int D>
+void prefill_gemm(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                  const at::Tensor& block_table, int64_t num_computed, double scale_) {
+  constexpr bool kVnni = std::is_same_v<BF, c10::BFloat16>;
+  namespace blas = at::native::cpublas;
+  const int64_t n = q.size(0), heads = q.size(1);
+  const int64_t block_size = k_pool.size(1), kv_heads = k_pool.size(2), group = heads / kv_heads;
+  const int64_t ctx = num_computed + n, KC = std::min(kGemmChunk, round_up(ctx, kGemmCols));
+  const int64_t chunks = (ctx + KC - 1) / KC;
+  const int64_t token_stride = kv_heads * D, block_stride = block_size * token_stride;
+  const BF* kp = k_pool.data_ptr<BF>();
+  const BF* vp = v_pool.data_ptr<BF>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const float scale = static_cast<float>(scale_);
+
+  // Per KV head and chunk: K^T [D][KC] and V [KC][D], each packed; positions past ctx are zeros.
+  const int64_t chunk_elems = 2 * D * KC, head_elems = chunks * chunk_elems;
+  thread_local std::vector<BF> packed;
+  packed.resize(kv_heads * head_elems);
+  struct FreeIfLong {
+    std::vector<BF>& v;
+    ~FreeIfLong() { if (v.capacity() > 2 * kKeptFloats) std::vector<BF>().swap(v); }
+  } free_if_long{packed};
+  BF* packed_all = packed.data();
+  // bfloat16 in the matrix unit's layout (VNNI): element (k, n) of a [K][N] operand at
+  // ((k / 2) * N + n) * 2 + k % 2, so that each 32-bit word holds two consecutive k of one n.
+  // K^T of a chunk: word (x / 2, k) is the pair of dims (x, x + 1) of key k, one word of its row;
+  // V of a chunk: word (k / 2, x) is dim x of keys k and k + 1. float32 as plain rows.
+  at::parallel_for(0, kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t j = item / chunks, c = item % chunks;
+      BF* kt = packed_all + j * head_elems + c * chunk_elems;
+      BF* vv = kt + D * KC;
+      for (int64_t k = 0; k < KC; ++k) {
+        const int64_t p = c * KC + k;
+        const bool past = p >= ctx;  // zeros past the context
+        const int64_t slot = past ? 0 : table[p / block_size] * block_stride + (p % block_size) * token_stride + j * D;
+        if constexpr (kVnni) {
+          auto* kt_words = reinterpret_cast<uint32_t*>(kt);
+          const auto* key_words = reinterpret_cast<const uint32_t*>(kp + slot);
+          for (int x = 0; x < D / 2; ++x) kt_words[x * KC + k] = past ? 0 : key_words[x];
+          BF* dst = vv + (k / 2) * 2 * D + k % 2;
+          for (int x = 0; x < D; ++x) dst[2 * x] = past ? BF(0.f) : vp[slot + x];
+        } else {
+          for (int x = 0; x < D; ++x) kt[x * KC + k] = past ? BF(0.f) : kp[slot + x];
+          for (int x = 0; x < D; ++x) vv[k * D + x] = past ? BF(0.f) : vp[slot + x];
+        }
+      }
+    }
+  });
+
+  const int64_t qblocks = (n + kGemmQueryBlock - 1) / kGemmQueryBlock;
+  std::vector<int64_t> order(qblocks);
+  for (int64_t b = 0, lo = 0, hi = qblocks - 1; b < qblocks; ++b) order[b] = (b % 2 == 0) ? hi-- : lo++;
+  const BF* qp = q.data_ptr<BF>();
+  BF* op = out.data_ptr<BF>();
+  const int64_t q_pos_stride = q.stride(0), q_head_stride = q.stride(1);
+  const int64_t o_pos_stride = out.stride(0), o_head_stride = out.stride(1);
+  at::parallel_for(0, qblocks * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const int64_t max_rows = kGemmQueryBlock * group;
+    std::vector<BF> qs(max_rows * D), probs(max_rows * KC);
+    std::vector<float> s(max_rows * KC), o(max_rows * D), m(max_rows), l(max_rows);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = order[item / kv_heads], j = item % kv_heads;
+      const int64_t i0 = b * kGemmQueryBlock, i1 = std::min(n, i0 + kGemmQueryBlock);
+      const int64_t rows = (i1 - i0) * group;  // row = (position, head in group)
+      for (int64_t i = i0; i < i1; ++i)
+        for (int64_t g = 0; g < group; ++g) {
+          const BF* src = qp + i * q_pos_stride + (j * group + g) * q_head_stride;
+          std::copy(src, src + D, qs.begin() + ((i - i0) * group + g) * D);
+        }
+      std::fill(o.begin(), o.begin() + rows * D, 0.f);
+      std::fill(m.begin(), m.begin() + rows, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + rows, 0.f);
+      const int64_t first_pos = num_computed + i0, last_pos = num_computed + i1 - 1;
+      const BF* head = packed_all + j * head_elems;
+      for (int64_t c = 0; c * KC <= last_pos; ++c) {
+        const int64_t k0 = c * KC, keys = std::min<int64_t>(KC, last_pos + 1 - k0);
+        const int64_t cols = std::min<int64_t>(KC, round_up(keys, kGemmCols));
+        const BF* chunk = head + c * chunk_elems;
+        blas::brgemm(rows, cols, D, D, KC, KC, false, qs.data(), chunk, s.data(), kVnni);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t pos = first_pos + r / group;
+          const int64_t valid = std::min<int64_t>(cols, std::max<int64_t>(0, pos + 1 - k0));  // keys this row sees
+          float* sr = s.data() + r * KC;
+          BF* pr = probs.data() + r * KC;
+          if (valid == 0) {  // the whole chunk lies past this row's position
+            std::fill(pr, pr + cols, BF(0.f));
+            continue;
+          }
+          // Whole vectors, then the last part-vector with the lanes past `valid` at -inf (exp: 0).
+          const int64_t whole = valid / kW * kW, rest = valid - whole;
+          const Vec neg_inf(-std::numeric_limits<float>::infinity());
+          Vec mv = neg_inf;
+          for (int64_t k = 0; k < whole; k += kW) mv = at::vec::maximum(mv, Vec::loadu(sr + k));
+          const Vec last = rest ? Vec::set(neg_inf, Vec::loadu(sr + whole, rest), rest) : neg_inf;
+          mv = at::vec::maximum(mv, last);
+          const float tile_max = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, mv);
+          const float m_new = std::max(m[r], tile_max * scale);
+          const Vec sv(scale), mb(m_new);
+          Vec sum(0.f);
+          for (int64_t k = 0; k < whole; k += kW) {
+            const Vec e = (Vec::loadu(sr + k) * sv - mb).exp_u20();
+            sum = sum + e;
+            kvledger_cpu::store_floats(e, pr + k);
+          }
+          if (rest) {
+            const Vec e = (last * sv - mb).exp_u20();  // -inf lanes give 0
+            sum = sum + e;
+            kvledger_cpu::store_floats(e, pr + whole);
+          }
+          std::fill(pr + whole + (rest ? kW : 0), pr + cols, BF(0.f));
+          const float tile_sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
+          if (m_new != m[r]) {
+            const float alpha = std::exp(m[r] - m_new);  // 0 on the first chunk (m = -inf)
+            const Vec av(alpha);
+            float* orow = o.data() + r * D;
+            for (int x = 0; x < D; x += kW) (Vec::loadu(orow + x) * av).store(orow + x);
+            l[r] *= alpha;
+            m[r] = m_new;
+          }
+          l[r] += tile_sum;
+        }
+        blas::brgemm(rows, D, cols, KC, D, D, true, probs.data(), chunk + D * KC, o.data(), kVnni);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = i0 + r / group, g = r % group;
+        const Vec inv(1.f / l[r]);
+        BF* dst = op + i * o_pos_stride + (j * group + g) * o_head_stride;
+        for (int x = 0; x < D; x += kW) kvledger_cpu::store_floats(Vec::loadu(o.data() + r * D + x) * inv, dst + x);
+      }
+    }
+    blas::brgemm_release(kVnni);
+  });
+}
+
 template <typename T>
 void prefill_dim(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                  const at::Tensor& block_table, int64_t num_computed, double scale) {
-  switch (q.size(2)) {
-    case 64: return prefill<T, 64>(out, q, k_pool, v_pool, block_table, num_computed, scale);
-    case 128: return prefill<T, 128>(out, q, k_pool, v_pool, block_table, num_computed, scale);
-    case 256: return prefill<T, 256>(out, q, k_pool, v_pool, block_table, num_computed, scale);
-    default: TORCH_CHECK(false, "paged_prefill: head_dim 64, 128 or 256 only, got ", q.size(2));
+  // float32 always through the GEMM; bfloat16 where the CPU has its matrix unit
+  if (std::is_same_v<T, float> || at::native::cpublas::could_pack(at::kBFloat16)) {
+    switch (q.size(2)) {
+      case 64: return prefill_gemm<T, 64>(out, q, k_pool, v_pool, block_table, num_computed, scale);
+      case 128: return prefill_gemm<T, 128>(out, q, k_pool, v_pool, block_table, num_computed, scale);
+      case 256: return prefill_gemm<T, 256>(out, q, k_pool, v_pool, block_table, num_computed, scale);
+      default: break;
+    }
   }
+  if constexpr (!std::is_same_v<T, float>) {  // bfloat16 on the vectors
+    switch (q.size(2)) {
+      case 64: return prefill<T, 64>(out, q, k_pool, v_pool, block_table, num_computed, scale);
+      case 128: return prefill<T, 128>(out, q, k_pool, v_pool, block_table, num_computed, scale);
+      case 256: return prefill<T, 256>(out, q, k_pool, v_pool, block_table, num_computed, scale);
+      default: break;
+    }
+  }
+  TORCH_CHECK(false, "paged_prefill: head_dim 64, 128 or 256 only, got ", q.size(2));
 }
 
 void paged_prefill(at::Tensor out, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
