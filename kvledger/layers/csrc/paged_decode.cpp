@@ -19,6 +19,12 @@
 // sizes the queries and accumulators are held in vector registers (span_fixed), and with AVX-512
 // the lanes of sixteen keys' products are summed in one tree of shuffles (sum_lanes16). Scores and
 // accumulations are float32 whatever the storage dtype, as SDPA does under a 16-bit model.
+// While a block's rows are read, the first rows of the next block of the table are prefetched: the
+// blocks lie anywhere in the pool, and a 16-token block is too short for the hardware prefetcher
+// to find its stream (64 sequences of 300 tokens, SmolLM2's heads, tables in random order, pool
+// of 2 GiB, Intel Xeon, 2 threads: 2.02 -> 1.67 ms bfloat16, 2.02 -> 1.80 ms float32; 128-token
+// blocks: 1.35 / 1.69 ms without, 1.32 / 1.61 with, prefetching only their first 16 rows; on an
+// AMD EPYC (Zen 4) an earlier prefetch of whole next blocks was slower).
 //
 // 8-bit elements are widened to float32 as they are read and never dequantized into a copy; their
 // scales go where they cost least, as in attention over the dequantized K/V:
@@ -48,6 +54,7 @@ using kvledger_cpu::Fp8E5M2;
 using kvledger_cpu::load_floats;
 using kvledger_cpu::Vec;
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head this kernel takes
+constexpr int64_t kPrefetchRows = 16;  // rows of the next block prefetched (a larger block streams)
 
 // One work item: keys and values [first_block, end_block) of one sequence's blocks, all heads.
 struct Span {
@@ -83,6 +90,11 @@ inline void for_each_position(const P* pool, const SpanArgs<KV>& a, int64_t at, 
   for (int64_t t = 0; t < a.n;) {
     const P* p = pool + a.table[(a.t0 + t) / a.block_size] * block_stride + at;
     const int64_t end = std::min(a.n, t + a.block_size);
+    if (end < a.n) {  // the next block's first rows, asked for while this block's are read
+      const char* next = reinterpret_cast<const char*>(pool + a.table[(a.t0 + end) / a.block_size] * block_stride + at);
+      const int64_t rows = std::min<int64_t>(a.block_size, kPrefetchRows);
+      for (int64_t r = 0; r < rows; ++r) __builtin_prefetch(next + r * token_stride * sizeof(P), 0, 3);
+    }
     for (; t < end; ++t, p += token_stride) f(t, p);
   }
 }
