@@ -247,9 +247,12 @@ class Ingress:
         path = request.url.path
         body = await request.body()
         if path == "/fleet/ledger":  # each live replica's pool, for a fleet view
-            board = await self._board()
+            try:
+                board = await self._board()
+                entries = await board.get.remote()
+            except Exception as err:  # noqa: BLE001
+                return self._unavailable(err)
             now = time.time()
-            entries = await board.get.remote()
             return JSONResponse([ledger for _, (at, _, ledger) in sorted(entries.items()) if now - at < STALE_AFTER_S])
         if path == "/metrics":
             try:
@@ -259,9 +262,9 @@ class Ingress:
                 return self._unavailable(err)
         hashes = prefix_block_hashes(self.prompt_ids(path, body), self.block_size) if request.method == "POST" else []
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in ("host", "content-length")]
-        stream = self.engine.options(stream=True).http.remote(request.method, path, request.url.query, headers, body,
-                                                              block_hashes=hashes)
-        try:
+        try:  # routing itself can fail (no live replica, the controller restarting): a 503 too
+            stream = self.engine.options(stream=True).http.remote(request.method, path, request.url.query, headers,
+                                                                  body, block_hashes=hashes)
             status, resp_headers = await stream.__anext__()
         except Exception as err:  # noqa: BLE001 - the replica died or is unreachable
             return self._unavailable(err)
