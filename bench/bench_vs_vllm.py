@@ -6,6 +6,10 @@ the peer's own venv as a subprocess (``bench/vllm_peer.py``), loaded once per dt
 alive. Measurements alternate between the two (the first engine changes each round), so a busy
 moment on shared cores hits both. Both get both cores: kvledger 2 torch threads, vLLM
 ``VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0``; both a 2 GiB KV cache.
+Before each engine's turn the bench waits ``QUIET_S``: after a step vLLM's worker keeps polling
+its shared-memory queue for a second (``sched_yield`` in a loop, ``busy_loop_s = 1`` in
+``vllm/distributed/device_communicators/shm_broadcast.py``), so an engine measured right after
+vLLM would share a core with that loop.
 
 Rows, float32 and bfloat16:
 
@@ -78,6 +82,8 @@ SERVER_SLOTS = 16  # llama-server's parallel sequences
 DTYPES = ("float32", "bfloat16")
 CONTEXT = 512
 DECODE_TOKENS = 32
+QUIET_S = 2.0
+"""Seconds waited before each engine's turn: longer than vLLM's one-second busy poll after a step."""
 
 Generate = Callable[[list[list[int]], list[int]], tuple[float, list[list[int]]]]
 """``generate(prompts, max_tokens)`` -> (wall seconds, generated token ids per prompt)."""
@@ -274,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     identity = ""
     for dtype in args.dtypes:
         llm = LLM(model="smollm2-135m", dtype=dtype, kv_cache_memory=f"{KV_CACHE_GIB}GiB")
+        from kvledger.layers import cpu_kernels
+
+        if not cpu_kernels.loaded():  # torch's own operators would be measured, not kvledger's step
+            print(f"  kvledger's CPU kernels are not built ({cpu_kernels.reason()}): its rows measure torch's "
+                  "operators instead", flush=True)
         max_len = llm.llm_engine.max_model_len
         config = llm.llm_engine.hf_config
         workload = draw_workload(args.trace, args.requests, config["vocab_size"], max_len)
@@ -291,10 +302,12 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds):
                 order = list(engines) if r % 2 == 0 else list(reversed(engines))
                 for name in order:
+                    time.sleep(QUIET_S)
                     times[name]["decode"].append(decode_step(engines[name], rng))
                     times[name]["prefill"].append(prefill(engines[name], rng))
                 if r == 0:  # the whole workload once per engine, in this round's order
                     for name in order:
+                        time.sleep(QUIET_S)
                         seconds, toks = engines[name](prompts, outs)
                         assert [len(t) for t in toks] == outs, f"{name} did not generate every requested token"
                         times[name]["run"].append(seconds)
