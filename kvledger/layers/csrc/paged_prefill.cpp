@@ -19,11 +19,13 @@
 // registers. Items are ordered so that the threads' shares of
 // causal work are even (a late block of queries pairs with an early one).
 //
-// That is the path of bfloat16 on a CPU without a matrix unit. float32, and bfloat16 on a CPU
-// with AMX, take prefill_gemm (below): the same algorithm with its two products through oneDNN.
+// That is the path of bfloat16 on a CPU that does not multiply it (AVX2 alone). float32, and
+// bfloat16 on a CPU with AMX or AVX512-BF16, take prefill_gemm (below): the same algorithm with
+// its two products through oneDNN.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
@@ -274,15 +276,16 @@ void prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool, con
 }
 
 
-// ---- float32, and bfloat16 on a CPU with a matrix unit (AMX): the products through oneDNN ----
+// ---- float32, and bfloat16 on a CPU that multiplies it (AMX, AVX512-BF16): the products through oneDNN ----
 //
 // The same flash attention, with the two products of each step through ATen's batch-reduce GEMM
 // (at::native::cpublas::brgemm, oneDNN's micro-kernels; torch's flash SDPA uses it too):
-// scores = Q K^T (float32 out), then O += P V, in float32, or with bfloat16 operands on the
-// matrix unit and the probabilities rounded to bfloat16 (as SDPA does under a bfloat16 model).
+// scores = Q K^T (float32 out), then O += P V, in float32, or with bfloat16 operands (on the
+// matrix unit, or the AVX512-BF16 dot products) and the probabilities rounded to bfloat16 (as
+// SDPA does under a bfloat16 model).
 // The online softmax stays in float32 on the vectors. The context of each KV head is copied once
-// into chunks of kGemmChunk positions (keys transposed; for bfloat16 in the matrix unit's layout,
-// pairs of rows interleaved); the queries of a work item (kGemmQueryBlock positions x the query
+// into chunks of kGemmChunk positions (keys transposed; for bfloat16 in the VNNI layout both
+// take, pairs of rows interleaved); the queries of a work item (kGemmQueryBlock positions x the query
 // heads of one KV head) are copied into one [rows][d] block, so that every key chunk is
 // multiplied once for the whole group.
 
@@ -316,7 +319,7 @@ void prefill_gemm(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool
     ~FreeIfLong() { if (v.capacity() > 2 * kKeptFloats) std::vector<BF>().swap(v); }
   } free_if_long{packed};
   BF* packed_all = packed.data();
-  // bfloat16 in the matrix unit's layout (VNNI): element (k, n) of a [K][N] operand at
+  // bfloat16 in the VNNI layout (the matrix unit's, and the dot products'): element (k, n) of a [K][N] operand at
   // ((k / 2) * N + n) * 2 + k % 2, so that each 32-bit word holds two consecutive k of one n.
   // K^T of a chunk: word (x / 2, k) is the pair of dims (x, x + 1) of key k, one word of its row;
   // V of a chunk: word (k / 2, x) is dim x of keys k and k + 1. float32 as plain rows.
@@ -428,11 +431,23 @@ void prefill_gemm(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool
   });
 }
 
+// True when oneDNN's batch-reduce GEMM multiplies bfloat16 on this CPU: on its matrix unit (AMX,
+// where ATen packs for it) or with the AVX512-BF16 dot products (AMD Zen 4, Intel Cooper Lake).
+bool bfloat16_products() {
+  static const bool yes = [] {
+    if (at::native::cpublas::could_pack(at::kBFloat16)) return true;
+    const auto caps = at::cpu::get_cpu_capabilities();
+    const auto bf16 = caps.find("avx512_bf16");
+    return bf16 != caps.end() && bf16->second.isBool() && bf16->second.toBool();
+  }();
+  return yes;
+}
+
 template <typename T>
 void prefill_dim(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                  const at::Tensor& block_table, int64_t num_computed, double scale) {
-  // float32 always through the GEMM; bfloat16 where the CPU has its matrix unit
-  if (std::is_same_v<T, float> || at::native::cpublas::could_pack(at::kBFloat16)) {
+  // float32 always through the GEMM; bfloat16 where the CPU multiplies it (AMX, AVX512-BF16)
+  if (std::is_same_v<T, float> || bfloat16_products()) {
     switch (q.size(2)) {
       case 64: return prefill_gemm<T, 64>(out, q, k_pool, v_pool, block_table, num_computed, scale);
       case 128: return prefill_gemm<T, 128>(out, q, k_pool, v_pool, block_table, num_computed, scale);
