@@ -74,10 +74,11 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ``THP_MEM_ALLOC_ENABLE=1``, but reads it once, when torch is imported, and for every large
     tensor of the process; and memory that malloc hands back from its heap may be in small pages
     already, which the advice does not change."""
-    if torch.device(device).type != "cpu" or not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
-    memory = mmap.mmap(-1, max(1, count * dtype.itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if (count == 0 or torch.device(device).type != "cpu" or not sys.platform.startswith("linux")
+            or not hasattr(mmap, "MADV_HUGEPAGE")):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    memory = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     memory.madvise(mmap.MADV_HUGEPAGE)
     pool = torch.frombuffer(memory, dtype=dtype, count=count).view(shape)  # the tensor keeps the mapping
     return pool.zero_()  # every page faulted in now, as torch.zeros does, not in the middle of a step
