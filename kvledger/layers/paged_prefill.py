@@ -16,7 +16,7 @@ its own for its prefills too. It has two paths:
   AMX, where ATen's batch-reduce GEMM can pack for it, ``cpublas::could_pack``, or with the
   AVX512-BF16 dot products, AMD Zen 4 and Intel Cooper Lake): the context of each
   KV head is copied once into chunks of up to 256 positions (keys transposed; bfloat16 in the
-  matrix unit's layout), and each work item, 64 query positions, gets its scores ``Q K^T`` and
+  VNNI layout, pairs of rows interleaved), and each work item, 64 query positions, gets its scores ``Q K^T`` and
   its ``P V`` from ATen's batch-reduce GEMM (``cpublas::brgemm``, as torch's flash SDPA), with
   the probabilities rounded to bfloat16 in a bfloat16 model, as SDPA does; ``exp`` is torch's
   faster vector one (20 ulp), as in its flash SDPA;
