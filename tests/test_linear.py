@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvledger.layers import cpu_kernels
-from kvledger.layers.linear import SKINNY_ROWS, SMALL_BATCH_ROWS, Linear, linear, pack_weight, packs
+from kvledger.layers.linear import SMALL_BATCH_ROWS, Linear, PackedWeight, linear, pack_weight, packs
 
 needs_onednn = pytest.mark.skipif(not packs(torch.float32), reason="torch built without oneDNN")
 
@@ -21,22 +21,27 @@ def _operands(rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor
     return x, w, b, r
 
 
+def _onednn_only(w: torch.Tensor) -> PackedWeight:
+    """oneDNN's copy of ``w`` alone, so that every row count takes oneDNN's product."""
+    onednn = torch.ops.mkldnn._reorder_linear_weight(w if packs(w.dtype) else w.float(), None)
+    return PackedWeight(onednn, None, 0)
+
+
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, 3, SKINNY_ROWS + 1, 17, 64, 512])
+@pytest.mark.parametrize("rows", [1, 3, 4, 17, 64, 512])
 def test_float32_prepacked_product_matches_f_linear(rows: int) -> None:
-    """A float32 weight prepacked by pack_weight (oneDNN above the few-row kernel's rows): float32
-    arithmetic in another order, so within float32's rounding of F.linear; a residual added in
-    the same kernel."""
+    """A float32 weight prepacked by oneDNN: float32 arithmetic in another order, so within
+    float32's rounding of F.linear; a residual added in the same kernel."""
     x, w, b, r = _operands(rows, torch.float32)
-    packed = pack_weight(w)
-    assert packed is not None and packed.dtype == torch.float32
+    packed = _onednn_only(w)
+    assert packed.onednn is not None and packed.onednn.dtype == torch.float32
     y = linear(x, w, b, packed)
     assert y.dtype == torch.float32 and y.shape == (rows, 80)
     torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(linear(x, w, None, packed, residual=r), F.linear(x, w) + r, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [SKINNY_ROWS + 1, 17])
+@pytest.mark.parametrize("rows", [1, 4, 17])
 def test_unpacked_products_take_torchs_own(rows: int) -> None:
     """Without a packed copy (a weight never packed, or not contiguous) F.linear computes the product."""
     x, w, b, r = _operands(rows, torch.float32)
@@ -54,7 +59,7 @@ def test_bfloat16_product_through_a_float32_copy(rows: int) -> None:
     once to bfloat16. Both agree with a float32 product of the same bfloat16 values to bfloat16's
     rounding, and the result is bfloat16."""
     x, w, b, r = _operands(rows, torch.bfloat16)
-    copy = torch.ops.mkldnn._reorder_linear_weight(w.float(), None)
+    copy = PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.float(), None), None, 0)
     reference = F.linear(x.float(), w.float(), b.float())
     y = linear(x, w, b, copy)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, 80)
@@ -67,17 +72,24 @@ def test_bfloat16_product_through_a_float32_copy(rows: int) -> None:
 
 def test_pack_weight_follows_the_cpu() -> None:
     """float32 packed as itself; bfloat16 packed as itself where the CPU has bfloat16 kernels and as its
-    float32 values elsewhere; other dtypes not at all."""
-    w = torch.randn(8, 16)
+    float32 values elsewhere; other dtypes not at all. The panels keep the weight's dtype and values."""
+    w = torch.randn(64, 16)
     if packs(torch.float32):
         packed32 = pack_weight(w)
-        assert packed32 is not None and packed32.dtype == torch.float32 and torch.equal(packed32.to_dense(), w)
+        assert packed32 is not None and packed32.onednn is not None
+        assert packed32.onednn.dtype == torch.float32 and torch.equal(packed32.onednn.to_dense(), w)
     assert pack_weight(w.half()) is None
     packed = pack_weight(w.bfloat16())
     if packs(torch.bfloat16):
-        assert packed is not None and packed.dtype == torch.bfloat16
+        assert packed is not None and packed.onednn is not None and packed.onednn.dtype == torch.bfloat16
     elif packs(torch.float32):
-        assert packed is not None and packed.dtype == torch.float32
+        assert packed is not None and packed.onednn is not None and packed.onednn.dtype == torch.float32
+    if cpu_kernels.loaded():
+        assert packed is not None and packed.panels is not None and packed.panels.dtype == torch.bfloat16
+        width = torch.ops.kvledger_cpu.panel_width()
+        # panel p, row k holds the weights of output columns p * width .. p * width + width - 1 at input k
+        assert torch.equal(packed.panels[1, 5], w.bfloat16()[width:2 * width, 5])
+        assert pack_weight(torch.randn(width + 8, 16)).panels is None  # no whole number of panels
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -91,38 +103,61 @@ def test_linear_module_after_pack(dtype: torch.dtype) -> None:
                                rtol=tol, atol=tol)
 
 
-KERNEL_MAX_ROWS = 4  # skinny_linear takes 1 to 4 rows; linear() sends it up to SKINNY_ROWS
 needs_kernels = pytest.mark.skipif(not cpu_kernels.loaded(), reason=f"kvledger CPU kernels not built: {cpu_kernels.reason()}")
 
 
+def _panel_operands(rows: int, out: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(rows * 1000 + out)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    w = (torch.randn(out, 96, generator=g) * 0.1).to(dtype)
+    b = torch.randn(out, generator=g).to(dtype)
+    r = torch.randn(rows, out, generator=g).to(dtype)
+    return x, w, b, r
+
+
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, KERNEL_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 13, 25, 64, 70])
 @pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                              (torch.float32, torch.bfloat16)])
-def test_skinny_linear_matches_a_float32_product(rows: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> None:
-    """A few rows through kvledger's kernel: the float32 product of the same values (a bfloat16
-    weight widened exactly), rounded once to x's dtype; then the residual added as torch adds."""
-    x, w, b, r = _operands(rows, x_dtype)
-    w = w.to(w_dtype)
-    odd = torch.randn(77, 96).to(w_dtype)  # an output count no multiple of the rows the kernel takes at once
-    for weight in (w, odd):
-        reference = F.linear(x.float(), weight.float())
-        y = torch.ops.kvledger_cpu.skinny_linear(x, weight, None, None)
-        assert y.dtype == x_dtype and y.shape == (rows, weight.shape[0])
+def test_panel_linear_matches_a_float32_product(rows: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> None:
+    """Rows through kvledger's panel kernel (row counts that fill the kernel's groups of rows, and
+    that leave part-groups): the float32 product of the same values (a bfloat16 weight widened
+    exactly), rounded once to x's dtype; then the residual added as torch adds."""
+    width = torch.ops.kvledger_cpu.panel_width()
+    for out in (width, 3 * width):
+        x, w, b, r = _panel_operands(rows, out, x_dtype)
+        w = w.to(w_dtype)
+        panels = torch.ops.kvledger_cpu.pack_panels(w)
+        reference = F.linear(x.float(), w.float())
+        y = torch.ops.kvledger_cpu.panel_linear(x, panels, None, None)
+        assert y.dtype == x_dtype and y.shape == (rows, out)
         exact = 1e-5 if x_dtype == torch.float32 else 1e-2
         torch.testing.assert_close(y.float(), reference.to(x_dtype).float(), rtol=exact, atol=exact)
-    full = torch.ops.kvledger_cpu.skinny_linear(x, w, b, r)
-    torch.testing.assert_close(full, (F.linear(x.float(), w.float(), b.float()).to(x_dtype) + r), rtol=2e-2 if
-                               x_dtype == torch.bfloat16 else 1e-5, atol=2e-2 if x_dtype == torch.bfloat16 else 1e-5)
-    if rows <= SKINNY_ROWS:  # linear() takes the kernel for these rows, whether or not the weight was packed
-        assert torch.equal(linear(x, w, b, None, residual=r), full)
-        assert torch.equal(linear(x, w, b, pack_weight(w), residual=r), full)
+        full = torch.ops.kvledger_cpu.panel_linear(x, panels, b, r)
+        expected = F.linear(x.float(), w.float(), b.float()).to(x_dtype) + r
+        torch.testing.assert_close(full, expected, rtol=2e-2 if x_dtype == torch.bfloat16 else 1e-5,
+                                   atol=2e-2 if x_dtype == torch.bfloat16 else 1e-5)
+        if x_dtype == w_dtype:  # linear() takes the panels up to the rows this CPU gives them, oneDNN or torch above
+            packed = pack_weight(w)
+            assert packed is not None and packed.panels is not None
+            via_linear = linear(x, w, b, packed, residual=r)
+            if rows <= packed.panel_rows:
+                assert torch.equal(via_linear, full)
+            else:
+                torch.testing.assert_close(via_linear, expected, rtol=2e-2 if x_dtype == torch.bfloat16 else 1e-5,
+                                           atol=2e-2 if x_dtype == torch.bfloat16 else 1e-5)
 
 
 @needs_kernels
-def test_skinny_linear_refuses_what_it_cannot_take() -> None:
-    x, w, _, _ = _operands(KERNEL_MAX_ROWS + 1, torch.float32)
-    with pytest.raises(RuntimeError, match=f"1 to {KERNEL_MAX_ROWS} rows"):
-        torch.ops.kvledger_cpu.skinny_linear(x, w, None, None)
+def test_panel_linear_refuses_what_it_cannot_take() -> None:
+    width = torch.ops.kvledger_cpu.panel_width()
+    x, w, _, _ = _panel_operands(4, 2 * width, torch.float32)
+    with pytest.raises(RuntimeError, match="multiple of"):
+        torch.ops.kvledger_cpu.pack_panels(w[:width + 1])
+    panels = torch.ops.kvledger_cpu.pack_panels(w)
     with pytest.raises(RuntimeError, match="contiguous"):
-        torch.ops.kvledger_cpu.skinny_linear(x[:2], w.t().contiguous().t(), None, None)
+        torch.ops.kvledger_cpu.panel_linear(x.t().contiguous().t(), panels, None, None)
+    with pytest.raises(RuntimeError, match="pack_panels"):
+        torch.ops.kvledger_cpu.panel_linear(x, w, None, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.kvledger_cpu.panel_linear(x, panels, torch.zeros(width), None)

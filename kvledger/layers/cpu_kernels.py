@@ -10,8 +10,9 @@ Six kernels, each where torch's general ones leave this CPU idle:
 * ``rotary`` (``csrc/rotary.cpp``) and ``silu_and_mul`` (``csrc/silu_and_mul.cpp``): RoPE and
   SwiGLU's gate in one call each, equal to the torch operators they replace
   (:mod:`kvledger.layers.rotary`, :mod:`kvledger.layers.activation`);
-* ``skinny_linear`` (``csrc/skinny_linear.cpp``): a projection of at most four rows (a decode
-  step of a few sequences) streaming its weight at memory speed (:mod:`kvledger.layers.linear`).
+* ``panel_linear`` (``csrc/panel_linear.cpp``): a projection of one to a few dozen rows (the
+  decode steps) on a weight laid out in column panels (``pack_panels``), streaming it at memory
+  speed with few rows and keeping the FMA units busy with more (:mod:`kvledger.layers.linear`).
 
 They are compiled with the C++ compiler that ``torch.compile`` needs too
 (``torch.utils.cpp_extension``), for the vector instructions inductor picks for this CPU, in
@@ -50,7 +51,7 @@ NAME = "kvledger_cpu_kernels"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes the kernels compute in."""
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "rms_norm.cpp", "rotary.cpp", "silu_and_mul.cpp",
-                                                                "skinny_linear.cpp")]
+                                                                "panel_linear.cpp")]
 
 log = logging.getLogger("kvledger.engine")
 

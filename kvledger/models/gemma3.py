@@ -24,7 +24,7 @@ from kvledger.engine.kv_cache_manager import KVCacheGroup, kv_cache_groups
 from kvledger.errors import KVLedgerError
 from kvledger.layers.activation import gelu_tanh_and_mul
 from kvledger.layers.attention import AttentionMetadata, paged_attention
-from kvledger.layers.linear import Linear, linear, pack_weight
+from kvledger.layers.linear import Linear, PackedWeight, linear, pack_weight
 from kvledger.layers.paged_kv import KVCache
 from kvledger.layers.rmsnorm import RMSNorm
 from kvledger.layers.rotary import RotaryEmbedding, apply_rotary
@@ -118,7 +118,7 @@ class Gemma3ForCausalLM(nn.Module):
         self.final_logit_softcapping = config.get("final_logit_softcapping")
         self.rope_local: RotaryEmbedding | None = None
         self.rope_global: RotaryEmbedding | None = None
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed: PackedWeight | None = None
 
     @property
     def cache_layers(self) -> int:

@@ -24,7 +24,7 @@ from torch import nn
 from kvledger.errors import KVLedgerError
 from kvledger.layers.activation import silu_and_mul
 from kvledger.layers.attention import AttentionMetadata, paged_attention
-from kvledger.layers.linear import Linear, linear, pack_weight
+from kvledger.layers.linear import Linear, PackedWeight, linear, pack_weight
 from kvledger.layers.parallel import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvledger.layers.paged_kv import KVCache
 from kvledger.layers.rmsnorm import RMSNorm
@@ -110,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
         self.rope: RotaryEmbedding | None = None
-        self.lm_head_packed: torch.Tensor | None = None  # pack_weight(lm_head_weight), set by pack()
+        self.lm_head_packed: PackedWeight | None = None  # pack_weight(lm_head_weight), set by pack()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
