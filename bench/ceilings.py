@@ -35,12 +35,12 @@ def matmul_kernels(n: int = 2048, repeat: int = 8, dtype: torch.dtype = torch.fl
     (MKL for float32) and oneDNN with the weight prepacked once (the product
     :mod:`kvledger.layers.linear` runs in bfloat16), measured in every dtype this CPU's oneDNN packs, whether
     or not the engine uses it there. The machine's ceiling is the larger of the two."""
-    from kvledger.layers.linear import linear, packs
+    from kvledger.layers.linear import linear, pack_weight, packs
 
     x, w = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     rates = {"torch.matmul": 2 * n**3 / _best_seconds(lambda: x @ w.t(), repeat)}
     if packs(dtype):  # oneDNN on an AVX2-only CPU has no bfloat16 reorder
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        packed = pack_weight(w)  # n rows take oneDNN's product, not the panels
         rates["oneDNN prepacked"] = 2 * n**3 / _best_seconds(lambda: linear(x, w, packed=packed), repeat)
     return rates
 
