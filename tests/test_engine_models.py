@@ -90,3 +90,47 @@ def test_missing_checkpoint_tensors_are_all_named_in_one_error():
     message = str(err.value)
     assert "lacks 2 tensors" in message and "\n" not in message
     assert "layers.1.self_attn.o_proj.weight" in message and "layers.0.mlp.up_proj.weight" in message
+
+
+def test_the_last_layer_runs_only_the_rows_whose_logits_are_read(tmp_path):
+    """A prefill chunk's logits come from its last position alone, so the last layer's output
+    projection and MLP run for those rows only (every row's K and V still reach the cache): the
+    rows its MLP sees are the step's logits rows, and the tokens and logits are those of the same
+    engine running the whole last layer."""
+    from kvledger import LLM, SamplingParams
+
+    _tiny_checkpoint(tmp_path, "llama", {})
+    prompts = [[5, 17, 900, 33, 2048, 7, 7, 99, 1234, 40000, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21][:n] for n in (1, 7, 20)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    llm = LLM(model=str(tmp_path), kv_cache_memory="8MiB", block_size=4, max_num_batched_tokens=16,
+              enable_prefix_caching=False)
+    engine = llm.llm_engine
+    model = engine.model
+    seen: list[tuple[int, int]] = []  # (rows of the step, rows the last MLP saw)
+    step_rows: list[int] = []
+    embed = model.embed_tokens.register_forward_hook(lambda m, args, out: step_rows.append(args[0].numel()))
+    mlp = model.layers[-1].mlp.register_forward_hook(lambda m, args, out: seen.append((step_rows[-1], args[0].shape[0])))
+    try:
+        results = {}
+        for trims in (True, False):
+            model.trims_last_layer = trims
+            seen.clear()
+            engine.add_request(f"trims-{trims}-a", prompts[2], params)
+            engine.add_request(f"trims-{trims}-b", prompts[1], params)
+            engine.add_request(f"trims-{trims}-c", prompts[0], params)
+            tokens: dict[str, list[int]] = {}
+            logits = []
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    tokens.setdefault(out.request_id.split("-")[-1], []).extend(out.new_token_ids)
+                logits.append(engine.runner.last_logits.clone())
+            results[trims] = (tokens, logits, list(seen))
+    finally:
+        embed.remove()
+        mlp.remove()
+    trimmed, whole = results[True], results[False]
+    assert any(rows > mlp_rows for rows, mlp_rows in trimmed[2]), "no step ran a prefill chunk"
+    assert all(mlp_rows == rows for rows, mlp_rows in whole[2])
+    assert trimmed[0] == whole[0]
+    for a, b in zip(trimmed[1], whole[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -57,6 +57,7 @@ class ModelStep:
         self.model = model
         self.compiled = compiled
         if compiled:
+            model.trims_last_layer = False  # one graph for every layer, the last one included
             for layer in model.layers:
                 layer.compile(dynamic=True, fullgraph=True)
 
@@ -78,6 +79,7 @@ class ModelStep:
         """Run the layers eagerly from now on."""
         for layer in self.model.layers:
             layer._compiled_call_impl = None  # what nn.Module.compile() set
+        self.model.trims_last_layer = True
         self.compiled = False
 
 

@@ -58,16 +58,17 @@ class Attention(nn.Module):
         self.scale = float(config.get("query_pre_attn_scalar") or 256) ** -0.5
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVCache,
-                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The attention block's output ``[N, hidden]`` (before its post-attention norm)."""
+                cos_sin: tuple[torch.Tensor, torch.Tensor], keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention block's output ``[N, hidden]`` (before its post-attention norm); only rows
+        ``keep`` of it when given (every row's K and V are still written to the cache)."""
         qkv = self.qkv_proj(x)
         n, h = qkv.shape[0], self.num_heads
         q = self.q_norm(qkv[:, : self.q_size].reshape(n, h, self.head_dim))
         k = self.k_norm(qkv[:, self.q_size: self.q_size + self.kv_size].reshape(n, self.num_kv_heads, self.head_dim))
         v = qkv[:, self.q_size + self.kv_size:].reshape(n, self.num_kv_heads, self.head_dim)
         qk = apply_rotary(torch.cat((q, k), dim=1), *cos_sin)
-        o = paged_attention(self.cache_layer, qk[:, :h], qk[:, h:], v, meta, cache, self.scale)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        o = paged_attention(self.cache_layer, qk[:, :h], qk[:, h:], v, meta, cache, self.scale).reshape(-1, self.q_size)
+        return self.o_proj(o if keep is None else o[keep])
 
 
 class MLP(nn.Module):
@@ -90,14 +91,18 @@ class DecoderLayer(nn.Module):
         for name in _NORMS:
             setattr(self, name, RMSNorm(config["hidden_size"], eps))
 
-    def forward(self, h, metas, cache, cos_sin):  # type: ignore[no-untyped-def]
-        attn = self.self_attn(self.input_layernorm(h), metas[self.self_attn.group], cache, cos_sin)
-        h = h + self.post_attention_layernorm(attn)
+    def forward(self, h, metas, cache, cos_sin, keep=None):  # type: ignore[no-untyped-def]
+        attn = self.self_attn(self.input_layernorm(h), metas[self.self_attn.group], cache, cos_sin, keep)
+        h = (h if keep is None else h[keep]) + self.post_attention_layernorm(attn)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
 class Gemma3ForCausalLM(nn.Module):
     """Gemma-3 text decoder; ``forward`` is one engine step over the grouped paged cache."""
+
+    trims_last_layer = True
+    """The last layer's output projection and MLP run only for the rows whose logits are read
+    (:attr:`kvledger.models.llama.LlamaForCausalLM.trims_last_layer`)."""
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__()
@@ -138,10 +143,15 @@ class Gemma3ForCausalLM(nn.Module):
         weight = self.embed_tokens.weight
         h = self.embed_tokens(input_ids) * torch.tensor(self.config["hidden_size"] ** 0.5, dtype=weight.dtype)
         local, full = self.rope_local.cos_sin(positions), self.rope_global.cos_sin(positions)
-        for layer in self.layers:
+        *body, last = self.layers
+        for layer in body:
             h = layer(h, metas, cache, local if layer.sliding else full)
-        h = self.norm(h[logits_indices])
-        logits = linear(h, weight, packed=self.lm_head_packed).float()
+        rope = local if last.sliding else full
+        if self.trims_last_layer and logits_indices.numel() < input_ids.numel():
+            h = last(h, metas, cache, rope, keep=logits_indices)
+        else:
+            h = last(h, metas, cache, rope)[logits_indices]
+        logits = linear(self.norm(h), weight, packed=self.lm_head_packed).float()
         if self.final_logit_softcapping:
             cap = float(self.final_logit_softcapping)
             logits = torch.tanh(logits / cap) * cap

@@ -53,8 +53,10 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVCache,
-                cos_sin: tuple[torch.Tensor, torch.Tensor], residual: torch.Tensor) -> torch.Tensor:
-        """``residual`` plus the attention block's output, ``[N, hidden]``."""
+                cos_sin: tuple[torch.Tensor, torch.Tensor], residual: torch.Tensor,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """``residual`` plus the attention block's output, ``[N, hidden]``; only rows ``keep`` of
+        it when given (every row's K and V are still written to the cache)."""
         qkv = self.qkv_proj(x)
         n, h = qkv.shape[0], self.num_heads
         # queries and keys are rotated together as one [N, H + H_kv, d] view
@@ -64,8 +66,10 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
         qk = apply_rotary(qk, *cos_sin)
         q, k = qk[:, :h], qk[:, h:]
-        o = paged_attention(self.layer, q, k, v, meta, cache, self.scale)
-        return self.o_proj(o.reshape(-1, self.q_size), residual)
+        o = paged_attention(self.layer, q, k, v, meta, cache, self.scale).reshape(-1, self.q_size)
+        if keep is not None:
+            o, residual = o[keep], residual[keep]
+        return self.o_proj(o, residual)
 
 
 class MLP(nn.Module):
@@ -88,13 +92,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
         self.mlp = MLP(config)
 
-    def forward(self, h, meta, cache, cos_sin):  # type: ignore[no-untyped-def]
-        h = self.self_attn(self.input_layernorm(h), meta, cache, cos_sin, residual=h)
+    def forward(self, h, meta, cache, cos_sin, keep=None):  # type: ignore[no-untyped-def]
+        h = self.self_attn(self.input_layernorm(h), meta, cache, cos_sin, residual=h, keep=keep)
         return self.mlp(self.post_attention_layernorm(h), residual=h)
 
 
 class LlamaForCausalLM(nn.Module):
     """Decoder-only transformer; ``forward`` is one engine step over the paged cache."""
+
+    trims_last_layer = True
+    """The last layer's output projection and MLP run only for the rows whose logits are read (a
+    prefill chunk's last position), as llama.cpp does; turned off under ``torch.compile``, where
+    every layer runs one graph."""
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__()
@@ -122,10 +131,14 @@ class LlamaForCausalLM(nn.Module):
         assert self.rope is not None, "call set_rope() before forward()"
         h = self.embed_tokens(input_ids)
         cos_sin = self.rope.cos_sin(positions)
-        for layer in self.layers:
+        *body, last = self.layers
+        for layer in body:
             h = layer(h, meta, cache, cos_sin)
-        h = self.norm(h[logits_indices])
-        return linear(h, self.lm_head_weight, packed=self.lm_head_packed).float()
+        if self.trims_last_layer and logits_indices.numel() < input_ids.numel():
+            h = last(h, meta, cache, cos_sin, keep=logits_indices)
+        else:
+            h = last(h, meta, cache, cos_sin)[logits_indices]
+        return linear(self.norm(h), self.lm_head_weight, packed=self.lm_head_packed).float()
 
     def pack(self) -> None:
         """Prepack every projection weight for the CPU kernels (:mod:`kvledger.layers.linear`); done
