@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -15,18 +17,27 @@ POOL = "32MiB"
 KINDS = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
+def _engine(kind: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(model="smollm2-135m", dtype="float32", kv_cache_dtype=kind, kv_cache_memory=POOL,
+                                  max_model_len=512))
+
+
 @pytest.fixture(scope="module")
-def engines():
-    """One small engine per cache dtype, all with the same --kv-cache-memory."""
-    return {d: LLMEngine(EngineConfig(model="smollm2-135m", dtype="float32", kv_cache_dtype=d, kv_cache_memory=POOL,
-                                      max_model_len=512))
-            for d in ("float32", "bfloat16", *KINDS)}
+def engines() -> dict[str, SimpleNamespace]:
+    """Per cache dtype, a small engine's ledger and block count, all with the same
+    --kv-cache-memory; each engine is built and let go in turn, so that one model's weights (and
+    the kernels' packed copies of them) are held at a time."""
+    built = {}
+    for kind in ("float32", "bfloat16", *KINDS):
+        engine = _engine(kind)
+        built[kind] = SimpleNamespace(ledger=engine.ledger(), num_blocks=engine.num_blocks)
+        del engine
+    return built
 
 
 @pytest.mark.parametrize("kind", ("float32", "bfloat16", *KINDS))
 def test_measured_bytes_equal_the_prediction_to_the_byte(engines, kind):
-    engine = engines[kind]
-    ledger = engine.ledger()
+    ledger = engines[kind].ledger
     spec = load_model_spec("smollm2-135m")
     kb = kv_bytes(spec, kind)
     # predicted by hand: Eq 2.2 per slot, int8's float16 scale per token per KV head for K and V,
@@ -60,10 +71,10 @@ def test_planner_capacity_equals_the_engines(engines):
         assert wall.num_blocks == engines[kind].num_blocks, kind
 
 
-def test_8bit_greedy_runs_and_frees_every_block(engines):
+def test_8bit_greedy_runs_and_frees_every_block():
     from kvledger.engine.sampling_params import SamplingParams
 
-    engine = engines["int8"]
+    engine = _engine("int8")
     for i in range(3):
         engine.add_request(f"r{i}", list(range(100 + i, 160 + 7 * i)), SamplingParams(max_tokens=20, temperature=0))
     while engine.has_unfinished_requests():
