@@ -161,3 +161,22 @@ def test_panel_linear_refuses_what_it_cannot_take() -> None:
         torch.ops.kvledger_cpu.panel_linear(x, w, None, None)
     with pytest.raises(RuntimeError, match="bias"):
         torch.ops.kvledger_cpu.panel_linear(x, panels, torch.zeros(width), None)
+
+
+@needs_kernels
+def test_the_lm_head_keeps_panels_alone_where_they_take_64_rows() -> None:
+    """pack_weight(logits=True): with AVX-512 the panels take every row count of an LM head and
+    no oneDNN copy is kept (the vocabulary makes it the largest weight); elsewhere it is packed as
+    any weight. Either way the product is F.linear's."""
+    from kvledger.layers.linear import PANEL_ROWS_AVX512, panel_rows
+
+    width = torch.ops.kvledger_cpu.panel_width()
+    x, w, _, _ = _panel_operands(100, 4 * width, torch.float32)
+    head = pack_weight(w, logits=True)
+    assert head is not None and head.panels is not None
+    if panel_rows(torch.float32) >= PANEL_ROWS_AVX512:
+        assert head.onednn is None and head.panel_rows >= 100
+        assert torch.equal(linear(x, w, None, head), torch.ops.kvledger_cpu.panel_linear(x, head.panels, None, None))
+    else:
+        assert head.panel_rows == pack_weight(w).panel_rows
+    torch.testing.assert_close(linear(x, w, None, head), F.linear(x, w), rtol=1e-5, atol=1e-5)

@@ -34,13 +34,15 @@ Xeon with AMX (1 thread, one layer's shapes) float32 was even between MKL and on
 ``F.linear`` (6.4 against 8.3 ms at 1 row, 10.1 against 17.1 at 64).
 
 The packed copies are kept beside the plain weight (which compiled graphs read), so the
-projections take three times their bytes: for SmolLM2-135M in float32, 538 MB of weights, as
-much again in oneDNN's layout and as much in panels.
+projections take three times their bytes: for SmolLM2-135M in float32, 425 MB of layer
+weights, as much again in oneDNN's layout and as much in panels; its LM head (113 MB, the
+embedding's) is kept plain and in panels only (:func:`pack_weight`'s ``logits``).
 """
 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -98,24 +100,32 @@ class PackedWeight:
     """Products of at most this many rows run on ``panels``."""
 
 
-def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+def pack_weight(weight: torch.Tensor, *, logits: bool = False) -> PackedWeight | None:
     """The kernels' copies of ``weight`` ``[out, in]`` for CPU products, or None where no kernel
     applies (another device, another dtype, a torch built without oneDNN and no kvledger kernels).
     A bfloat16 weight on a CPU without bfloat16 kernels gets a oneDNN copy of its float32 values
     (exact: every bfloat16 is a float32), and its products beyond the panels' rows are computed
-    in float32 (:func:`linear`)."""
+    in float32 (:func:`linear`).
+
+    ``logits``: the LM head, whose products have as many rows as a step has logits to read (a
+    few, where prefill chunks end; more only in large decode batches). Where the panels take
+    float32's 64 rows, they take every row count of it and no oneDNN copy is kept: its vocabulary
+    makes it the largest weight (Gemma-3's is 671 MB in float32), and the panels ran at 0.91x of
+    oneDNN's speed even at 128 rows."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     w = weight.detach()
+    rows = panel_rows(weight.dtype)
+    panels = None
+    if rows and w.dim() == 2 and w.shape[0] % torch.ops.kvledger_cpu.panel_width() == 0:
+        panels = torch.ops.kvledger_cpu.pack_panels(w.contiguous())
+    if logits and panels is not None and panel_rows(torch.float32) >= PANEL_ROWS_AVX512:
+        return PackedWeight(None, panels, sys.maxsize)
     onednn = None
     if packs(weight.dtype):
         onednn = torch.ops.mkldnn._reorder_linear_weight(w, None)
     elif packs(torch.float32):  # a bfloat16 weight on a CPU without bfloat16 kernels
         onednn = torch.ops.mkldnn._reorder_linear_weight(w.float(), None)
-    rows = panel_rows(weight.dtype)
-    panels = None
-    if rows and w.dim() == 2 and w.shape[0] % torch.ops.kvledger_cpu.panel_width() == 0:
-        panels = torch.ops.kvledger_cpu.pack_panels(w.contiguous())
     if onednn is None and panels is None:
         return None
     return PackedWeight(onednn, panels, rows if panels is not None else 0)

@@ -161,7 +161,7 @@ class Gemma3ForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        self.lm_head_packed = pack_weight(self.lm_head_weight)
+        self.lm_head_packed = pack_weight(self.lm_head_weight, logits=True)
 
     def set_rope(self, max_len: int) -> None:
         """Precompute both RoPE tables (local base for sliding layers, global base and scaling for

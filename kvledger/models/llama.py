@@ -146,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        self.lm_head_packed = pack_weight(self.lm_head_weight)
+        self.lm_head_packed = pack_weight(self.lm_head_weight, logits=True)
 
     def set_rope(self, max_len: int) -> None:
         """Precompute RoPE tables for positions ``[0, max_len)``."""
