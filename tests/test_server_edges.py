@@ -238,11 +238,15 @@ def test_sigterm_drains_then_ends_streams_with_an_error_event_and_exits_0(served
     threads = [threading.Thread(target=short_request)] + [threading.Thread(target=stream, args=(i,))
                                                           for i in range(10)]
     threads[0].start()
+    deadline = time.monotonic() + 60  # a wait that cannot end fails the test instead of hanging it
     while served.metrics()["kvledger:num_requests_running"] < 1:  # the short one runs first
+        assert time.monotonic() < deadline, "the short request never ran"
         time.sleep(0.02)
     for t in threads[1:]:
         t.start()
     while served.metrics()["kvledger:num_requests_running"] + served.metrics()["kvledger:num_requests_waiting"] < 11:
+        assert time.monotonic() < deadline, (short, served.metrics()["kvledger:num_requests_running"],
+                                             served.metrics()["kvledger:num_requests_waiting"])
         time.sleep(0.05)
     t0 = time.monotonic()
     served.proc.send_signal(signal.SIGTERM)
@@ -259,6 +263,7 @@ def test_sigterm_drains_then_ends_streams_with_an_error_event_and_exits_0(served
     assert sorted(events) == list(range(10))
     for lines in events.values():
         assert lines[-1] == "[DONE]", lines[-3:]
+        assert "error" in json.loads(lines[-2]), (short, lines[-3:])
         err = json.loads(lines[-2])["error"]
         assert err["code"] == 503 and "shutting down" in err["message"], err
         assert all("error" not in json.loads(x) for x in lines[:-2])
