@@ -168,13 +168,12 @@ def test_the_lm_head_keeps_panels_alone_where_they_take_64_rows() -> None:
     """pack_weight(logits=True): with AVX-512 the panels take every row count of an LM head and
     no oneDNN copy is kept (the vocabulary makes it the largest weight); elsewhere it is packed as
     any weight. Either way the product is F.linear's."""
-    from kvledger.layers.linear import PANEL_ROWS_AVX512, panel_rows
 
     width = torch.ops.kvledger_cpu.panel_width()
     x, w, _, _ = _panel_operands(100, 4 * width, torch.float32)
     head = pack_weight(w, logits=True)
     assert head is not None and head.panels is not None
-    if panel_rows(torch.float32) >= PANEL_ROWS_AVX512:
+    if cpu_kernels.vector_width() >= 16:
         assert head.onednn is None and head.panel_rows >= 100
         assert torch.equal(linear(x, w, None, head), torch.ops.kvledger_cpu.panel_linear(x, head.panels, None, None))
     else:

@@ -119,7 +119,7 @@ def pack_weight(weight: torch.Tensor, *, logits: bool = False) -> PackedWeight |
     panels = None
     if rows and w.dim() == 2 and w.shape[0] % torch.ops.kvledger_cpu.panel_width() == 0:
         panels = torch.ops.kvledger_cpu.pack_panels(w.contiguous())
-    if logits and panels is not None and panel_rows(torch.float32) >= PANEL_ROWS_AVX512:
+    if logits and panels is not None and cpu_kernels.vector_width() >= 16:  # AVX-512: PANEL_ROWS_AVX512
         return PackedWeight(None, panels, sys.maxsize)
     onednn = None
     if packs(weight.dtype):
@@ -136,13 +136,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``x`` ``[tokens, in]`` times ``weight`` ``[out, in]`` transposed, plus ``bias``, plus
     ``residual`` ``[tokens, out]``: ``[tokens, out]`` in ``x``'s dtype. ``packed`` is
     :func:`pack_weight`'s copies of ``weight`` (used when given)."""
-    if packed is None:
-        y = F.linear(x, weight, bias)
-        return y if residual is None else y + residual
-    if (packed.panels is not None and 1 <= x.shape[0] <= packed.panel_rows
+    if (packed is not None and packed.panels is not None and 1 <= x.shape[0] <= packed.panel_rows
             and _eager_cpu_operands(x, bias, residual) and x.dtype in cpu_kernels.KERNEL_DTYPES):
         return torch.ops.kvledger_cpu.panel_linear(x, packed.panels, bias, residual)
-    onednn = packed.onednn
+    onednn = None if packed is None else packed.onednn
     if onednn is not None and onednn.dtype != x.dtype:  # bfloat16 through its float32 copy
         if x.shape[0] > SMALL_BATCH_ROWS:
             y = torch.ops.mkldnn._linear_pointwise(x.float(), onednn, None if bias is None else bias.float(),

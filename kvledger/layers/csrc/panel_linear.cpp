@@ -130,15 +130,12 @@ void product(const at::Tensor& x, const at::Tensor& panels, const std::optional<
         r0 += rows;
       }
       const int64_t n0 = p * kPanel;
-      for (int64_t m = 0; m < M; ++m) {
-        const float* a = acc.data() + m * kPanel;
-        TX* dst = yp + m * N + n0;
-        for (int64_t c = 0; c < kPanel; ++c) {
-          float v = a[c];
-          if (bp) v += static_cast<float>(bp[n0 + c]);
-          TX out = static_cast<TX>(v);
-          if (rp) out = static_cast<TX>(static_cast<float>(out) + static_cast<float>(rp[m * N + n0 + c]));
-          dst[c] = out;
+      for (int64_t m = 0; m < M; ++m) {  // + bias, rounded once to x's dtype, + residual, a vector at a time
+        for (int64_t c = 0; c < kPanel; c += kW) {
+          Vec v = Vec::loadu(acc.data() + m * kPanel + c);
+          if (bp) v = v + load_floats(bp + n0 + c);
+          if (rp) v = kvledger_cpu::round_as<TX>(v) + load_floats(rp + m * N + n0 + c);
+          kvledger_cpu::store_floats(v, yp + m * N + n0 + c);
         }
       }
     }
