@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -328,19 +329,32 @@ void prefill_gemm(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool
       const int64_t j = item / chunks, c = item % chunks;
       BF* kt = packed_all + j * head_elems + c * chunk_elems;
       BF* vv = kt + D * KC;
-      for (int64_t k = 0; k < KC; ++k) {
-        const int64_t p = c * KC + k;
-        const bool past = p >= ctx;  // zeros past the context
-        const int64_t slot = past ? 0 : table[p / block_size] * block_stride + (p % block_size) * token_stride + j * D;
-        if constexpr (kVnni) {
+      if constexpr (kVnni) {
+        for (int64_t k = 0; k < KC; ++k) {
+          const int64_t p = c * KC + k;
+          const bool past = p >= ctx;  // zeros past the context
+          const int64_t slot = past ? 0 : table[p / block_size] * block_stride + (p % block_size) * token_stride + j * D;
           auto* kt_words = reinterpret_cast<uint32_t*>(kt);
           const auto* key_words = reinterpret_cast<const uint32_t*>(kp + slot);
           for (int x = 0; x < D / 2; ++x) kt_words[x * KC + k] = past ? 0 : key_words[x];
           BF* dst = vv + (k / 2) * 2 * D + k % 2;
           for (int x = 0; x < D; ++x) dst[2 * x] = past ? BF(0.f) : vp[slot + x];
-        } else {
-          for (int x = 0; x < D; ++x) kt[x * KC + k] = past ? BF(0.f) : kp[slot + x];
-          for (int x = 0; x < D; ++x) vv[k * D + x] = past ? BF(0.f) : vp[slot + x];
+        }
+      } else {
+        // The chunk's positions come in runs that lie in one block (rows token_stride apart): each
+        // run's keys are transposed as one [run][D] -> [D][run] tile, its values copied row by row.
+        for (int64_t k = 0; k < KC;) {
+          const int64_t p = c * KC + k;
+          if (p >= ctx) {  // zeros past the context
+            for (int x = 0; x < D; ++x) std::fill(kt + x * KC + k, kt + (x + 1) * KC, 0.f);
+            std::fill(vv + k * D, vv + KC * D, 0.f);
+            break;
+          }
+          const int64_t run = std::min({block_size - p % block_size, ctx - p, KC - k});
+          const int64_t slot = table[p / block_size] * block_stride + (p % block_size) * token_stride + j * D;
+          at::vec::transpose_mxn<float>(kp + slot, token_stride, kt + k, KC, static_cast<int>(run), D);
+          for (int64_t r = 0; r < run; ++r) std::memcpy(vv + (k + r) * D, vp + slot + r * token_stride, D * sizeof(float));
+          k += run;
         }
       }
     }
