@@ -288,11 +288,14 @@ void prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool, con
 // into chunks of kGemmChunk positions (keys transposed; for bfloat16 in the VNNI layout both
 // take, pairs of rows interleaved); the queries of a work item (kGemmQueryBlock positions x the query
 // heads of one KV head) are copied into one [rows][d] block, so that every key chunk is
-// multiplied once for the whole group.
+// multiplied once for the whole group. Where a chunk reaches the item's own positions (the causal
+// edge), its rows are multiplied kGemmSplit positions at a time, each group only as far as its
+// last position sees (at 512 tokens: 6% more than the causal product's FLOPs instead of 12%).
 
 constexpr int64_t kGemmQueryBlock = 64;  // query positions per work item
 constexpr int64_t kGemmChunk = 256;      // key positions per packed chunk (fewer for a shorter context)
 constexpr int64_t kGemmCols = 32;        // a chunk's scores are computed in multiples of this many keys
+constexpr int64_t kGemmSplit = 32;       // query positions per product where the causal edge crosses a chunk
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -386,53 +389,60 @@ void prefill_gemm(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool
       const int64_t first_pos = num_computed + i0, last_pos = num_computed + i1 - 1;
       const BF* head = packed_all + j * head_elems;
       for (int64_t c = 0; c * KC <= last_pos; ++c) {
-        const int64_t k0 = c * KC, keys = std::min<int64_t>(KC, last_pos + 1 - k0);
-        const int64_t cols = std::min<int64_t>(KC, round_up(keys, kGemmCols));
+        const int64_t k0 = c * KC;
         const BF* chunk = head + c * chunk_elems;
-        blas::brgemm(rows, cols, D, D, KC, KC, false, qs.data(), chunk, s.data(), kVnni);
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t pos = first_pos + r / group;
-          const int64_t valid = std::min<int64_t>(cols, std::max<int64_t>(0, pos + 1 - k0));  // keys this row sees
-          float* sr = s.data() + r * KC;
-          BF* pr = probs.data() + r * KC;
-          if (valid == 0) {  // the whole chunk lies past this row's position
-            std::fill(pr, pr + cols, BF(0.f));
-            continue;
+        // A chunk that reaches the item's own positions is multiplied by groups of kGemmSplit
+        // positions, each only as far as its last position sees; an earlier chunk by all rows at once.
+        const int64_t split = k0 + KC > first_pos ? kGemmSplit : i1 - i0;
+        for (int64_t g0 = 0; g0 < i1 - i0; g0 += split) {
+          const int64_t g1 = std::min(i1 - i0, g0 + split), keys = std::min<int64_t>(KC, first_pos + g1 - k0);
+          if (keys <= 0) continue;  // the chunk lies past these positions
+          const int64_t cols = std::min<int64_t>(KC, round_up(keys, kGemmCols)), r0 = g0 * group, r1 = g1 * group;
+          blas::brgemm(r1 - r0, cols, D, D, KC, KC, false, qs.data() + r0 * D, chunk, s.data() + r0 * KC, kVnni);
+          for (int64_t r = r0; r < r1; ++r) {
+            const int64_t pos = first_pos + r / group;
+            const int64_t valid = std::min<int64_t>(cols, std::max<int64_t>(0, pos + 1 - k0));  // keys this row sees
+            float* sr = s.data() + r * KC;
+            BF* pr = probs.data() + r * KC;
+            if (valid == 0) {  // the whole chunk lies past this row's position
+              std::fill(pr, pr + cols, BF(0.f));
+              continue;
+            }
+            // Whole vectors, then the last part-vector with the lanes past `valid` at -inf (exp: 0).
+            const int64_t whole = valid / kW * kW, rest = valid - whole;
+            const Vec neg_inf(-std::numeric_limits<float>::infinity());
+            Vec mv = neg_inf;
+            for (int64_t k = 0; k < whole; k += kW) mv = at::vec::maximum(mv, Vec::loadu(sr + k));
+            const Vec last = rest ? Vec::set(neg_inf, Vec::loadu(sr + whole, rest), rest) : neg_inf;
+            mv = at::vec::maximum(mv, last);
+            const float tile_max = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, mv);
+            const float m_new = std::max(m[r], tile_max * scale);
+            const Vec sv(scale), mb(m_new);
+            Vec sum(0.f);
+            for (int64_t k = 0; k < whole; k += kW) {
+              const Vec e = (Vec::loadu(sr + k) * sv - mb).exp_u20();
+              sum = sum + e;
+              kvledger_cpu::store_floats(e, pr + k);
+            }
+            if (rest) {
+              const Vec e = (last * sv - mb).exp_u20();  // -inf lanes give 0
+              sum = sum + e;
+              kvledger_cpu::store_floats(e, pr + whole);
+            }
+            std::fill(pr + whole + (rest ? kW : 0), pr + cols, BF(0.f));
+            const float tile_sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
+            if (m_new != m[r]) {
+              const float alpha = std::exp(m[r] - m_new);  // 0 on the first chunk (m = -inf)
+              const Vec av(alpha);
+              float* orow = o.data() + r * D;
+              for (int x = 0; x < D; x += kW) (Vec::loadu(orow + x) * av).store(orow + x);
+              l[r] *= alpha;
+              m[r] = m_new;
+            }
+            l[r] += tile_sum;
           }
-          // Whole vectors, then the last part-vector with the lanes past `valid` at -inf (exp: 0).
-          const int64_t whole = valid / kW * kW, rest = valid - whole;
-          const Vec neg_inf(-std::numeric_limits<float>::infinity());
-          Vec mv = neg_inf;
-          for (int64_t k = 0; k < whole; k += kW) mv = at::vec::maximum(mv, Vec::loadu(sr + k));
-          const Vec last = rest ? Vec::set(neg_inf, Vec::loadu(sr + whole, rest), rest) : neg_inf;
-          mv = at::vec::maximum(mv, last);
-          const float tile_max = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, mv);
-          const float m_new = std::max(m[r], tile_max * scale);
-          const Vec sv(scale), mb(m_new);
-          Vec sum(0.f);
-          for (int64_t k = 0; k < whole; k += kW) {
-            const Vec e = (Vec::loadu(sr + k) * sv - mb).exp_u20();
-            sum = sum + e;
-            kvledger_cpu::store_floats(e, pr + k);
-          }
-          if (rest) {
-            const Vec e = (last * sv - mb).exp_u20();  // -inf lanes give 0
-            sum = sum + e;
-            kvledger_cpu::store_floats(e, pr + whole);
-          }
-          std::fill(pr + whole + (rest ? kW : 0), pr + cols, BF(0.f));
-          const float tile_sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
-          if (m_new != m[r]) {
-            const float alpha = std::exp(m[r] - m_new);  // 0 on the first chunk (m = -inf)
-            const Vec av(alpha);
-            float* orow = o.data() + r * D;
-            for (int x = 0; x < D; x += kW) (Vec::loadu(orow + x) * av).store(orow + x);
-            l[r] *= alpha;
-            m[r] = m_new;
-          }
-          l[r] += tile_sum;
+          blas::brgemm(r1 - r0, D, cols, KC, D, D, true, probs.data() + r0 * KC, chunk + D * KC, o.data() + r0 * D, kVnni);
         }
-        blas::brgemm(rows, D, cols, KC, D, D, true, probs.data(), chunk + D * KC, o.data(), kVnni);
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r / group, g = r % group;
