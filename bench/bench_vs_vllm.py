@@ -26,11 +26,13 @@ when installed, adds its float32 rows from ``llama-bench``: the decode step at a
 context (``-n 32 -d 512``, time per generated token) and the prefill of 512 tokens (``-p 512``).
 
 Servers (``--servers``, float32): ``kvledger serve``, ``vllm serve`` and, when installed,
-llama.cpp's ``llama-server`` (16 slots) one after the other on loopback, each with a 2 GiB KV
+llama.cpp's ``llama-server`` (16 slots), all started on loopback and kept up, each with a 2 GiB KV
 cache (llama-server: as many f16 K/V tokens as fit in 2 GiB), under the same ``kvledger bench
 serve`` client: 64 Azure-conv requests, lengths / 4, token-id prompts, all sent at once, greedy,
 ``ignore_eos``; each server first gets a short warm-up run (kvledger compiles its step there, as
-vLLM does before it listens). Printed: output tok/s, TTFT and TPOT p50/p99, with the ratios.
+vLLM does before it listens). The runs alternate between the servers, ``--rounds`` of them each
+(a different server first in each round), and each row is the median of a server's runs:
+output tok/s, TTFT and TPOT p50/p99, with the ratios.
 
 The ceilings are measured at the start and the end, the better of each kept: matmul FLOP/s per
 dtype with the best kernel available (``torch.matmul`` and oneDNN prepacked,
@@ -204,30 +206,66 @@ def server_commands(args: argparse.Namespace, port: int) -> dict[str, tuple[list
     return commands
 
 
+def _tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process ``pid`` and its descendants, from
+    ``/proc`` (Linux; processes that have ended count 0)."""
+    total, stack = 0.0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+            for task in Path(f"/proc/{p}/task").iterdir():
+                stack += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
 def server_rows(args: argparse.Namespace, vocab_size: int) -> dict[str, dict[str, float]]:
-    """Each server's output tok/s and TTFT/TPOT p50/p99 (ms) under ``kvledger bench serve``."""
+    """Each server's output tok/s and TTFT/TPOT p50/p99 (ms) under ``kvledger bench serve``: the
+    median of ``args.rounds`` runs. All the servers are started first and stay up; the runs then
+    alternate between them (the first server changes each round, as in the engine rows), each after
+    ``QUIET_S``, so a busy moment on the shared cores hits every server. The CPU seconds the idle
+    servers used during each run are printed (they should be near 0)."""
     import asyncio
+    import contextlib
 
     from bench_serve import free_port, serving
     from kvledger.bench.serve import BenchConfig, run_benchmark
 
-    results = {}
-    for name, (cmd, env) in server_commands(args, port := free_port()).items():
-        url = f"http://127.0.0.1:{port}"
+    def config(url: str, n: int) -> BenchConfig:
+        return BenchConfig(base_url=url, trace=str(args.trace), num_prompts=n, length_scale=0.25, seed=0,
+                           vocab_size=vocab_size, ignore_eos=True, max_model_len=SERVER_MAX_MODEL_LEN)
 
-        def config(n: int) -> BenchConfig:
-            return BenchConfig(base_url=url, trace=str(args.trace), num_prompts=n, length_scale=0.25, seed=0,
-                               vocab_size=vocab_size, ignore_eos=True, max_model_len=SERVER_MAX_MODEL_LEN)
-
-        print(f"\nserver: {name} (log: {args.log}.{name})", flush=True)
-        with serving(cmd, url, log=Path(f"{args.log}.{name}"), env=env, ready_s=900):
-            asyncio.run(run_benchmark(config(8)))  # warm-up: kvledger compiles its step shapes here
-            m, _ = asyncio.run(run_benchmark(config(args.requests)))
-        assert m.failed == 0, f"{name}: {m.failed} requests failed"
-        results[name] = {"tok/s": m.output_throughput, "output tokens": m.total_output,
-                         **{f"{k.upper()} {p} (ms)": m.stats_ms[k][p] for k in ("ttft", "tpot") for p in ("p50", "p99")}}
-        print("  " + ", ".join(f"{k} {v:.1f}" for k, v in results[name].items()), flush=True)
-    return results
+    urls: dict[str, str] = {}
+    pids: dict[str, int] = {}
+    runs: dict[str, list[dict[str, float]]] = {}
+    with contextlib.ExitStack() as stack:
+        for name in server_commands(args, 0):
+            port = free_port()  # taken by this server before the next one asks for a port
+            cmd, env = server_commands(args, port)[name]
+            urls[name] = f"http://127.0.0.1:{port}"
+            print(f"\nserver: {name} (log: {args.log}.{name})", flush=True)
+            proc = stack.enter_context(serving(cmd, urls[name], log=Path(f"{args.log}.{name}"), env=env, ready_s=900))
+            pids[name] = proc.pid
+            asyncio.run(run_benchmark(config(urls[name], 8)))  # warm-up: kvledger compiles its step shapes here
+            runs[name] = []
+        names = list(urls)
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[:r % len(names)]  # each server leads a round in turn
+            for name in order:
+                time.sleep(QUIET_S)
+                others = {n: _tree_cpu_seconds(pid) for n, pid in pids.items() if n != name}
+                m, _ = asyncio.run(run_benchmark(config(urls[name], args.requests)))
+                idle = sum(_tree_cpu_seconds(pids[n]) - t for n, t in others.items())
+                assert m.failed == 0, f"{name}: {m.failed} requests failed"
+                runs[name].append({"tok/s": m.output_throughput, "output tokens": m.total_output,
+                                   **{f"{k.upper()} {p} (ms)": m.stats_ms[k][p] for k in ("ttft", "tpot")
+                                      for p in ("p50", "p99")}})
+                print(f"  round {r + 1}, {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in runs[name][-1].items()) +
+                      f"; the idle servers used {idle:.1f} CPU s meanwhile", flush=True)
+    return {name: {key: statistics.median(run[key] for run in rs) for key in rs[0]} for name, rs in runs.items()}
 
 
 def ceilings() -> dict[str, float]:
@@ -252,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peer", type=Path, default=Path(os.environ.get("KVLEDGER_VLLM_PEER", DEFAULT_PEER)),
                         help=f"the vLLM peer's install prefix (default {DEFAULT_PEER})")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the decode and prefill rows")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the decode and prefill rows, and of the server runs")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--llama-cpp", type=Path, default=Path(os.environ.get("KVLEDGER_LLAMA_CPP_PEER", DEFAULT_LLAMA_CPP)),
@@ -347,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
               f"| {lc} |")
     if servers:
         names = list(servers)
-        print(f"\nservers (float32, {args.requests} requests at once, ignore_eos, kvledger bench serve):\n")
+        print(f"\nservers (float32, {args.requests} requests at once, ignore_eos, kvledger bench serve; "
+              f"medians of {args.rounds} alternating runs each):\n")
         print("| measurement | " + " | ".join(names) + " | " + " | ".join(f"kvledger over {n}" for n in names[1:]) +
               " |\n|" + "---|" * (2 * len(names)))
         for key in servers["kvledger"]:
