@@ -32,7 +32,8 @@ serve`` client: 64 Azure-conv requests, lengths / 4, token-id prompts, all sent 
 ``ignore_eos``; each server first gets a short warm-up run (kvledger compiles its step there, as
 vLLM does before it listens). The runs alternate between the servers, ``--rounds`` of them each
 (a different server first in each round), and each row is the median of a server's runs:
-output tok/s, TTFT and TPOT p50/p99, with the ratios.
+output tok/s, TTFT and TPOT p50/p99, with the ratios. Each round sends the same requests with
+fresh token ids, so that no server's prefix cache holds an earlier run's prompts.
 
 The ceilings are measured at the start and the end, the better of each kept: matmul FLOP/s per
 dtype with the best kernel available (``torch.matmul`` and oneDNN prepacked,
@@ -81,6 +82,7 @@ VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": 
             "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}
 SERVER_MAX_MODEL_LEN = 8192
 SERVER_SLOTS = 16  # llama-server's parallel sequences
+WARMUP_ID_SEED = 10_000  # the servers' warm-up prompts share no ids with a measured run's
 DTYPES = ("float32", "bfloat16")
 CONTEXT = 512
 DECODE_TOKENS = 32
@@ -226,7 +228,9 @@ def server_rows(args: argparse.Namespace, vocab_size: int) -> dict[str, dict[str
     """Each server's output tok/s and TTFT/TPOT p50/p99 (ms) under ``kvledger bench serve``: the
     median of ``args.rounds`` runs. All the servers are started first and stay up; the runs then
     alternate between them (the first server changes each round, as in the engine rows), each after
-    ``QUIET_S``, so a busy moment on the shared cores hits every server. The CPU seconds the idle
+    ``QUIET_S``, so a busy moment on the shared cores hits every server. Every server gets the same
+    requests in every round, with token ids drawn afresh for each round (``id_seed``, the round),
+    so that no run finds an earlier one's prompts in a prefix cache. The CPU seconds the idle
     servers used during each run are printed (they should be near 0)."""
     import asyncio
     import contextlib
@@ -234,9 +238,9 @@ def server_rows(args: argparse.Namespace, vocab_size: int) -> dict[str, dict[str
     from bench_serve import free_port, serving
     from kvledger.bench.serve import BenchConfig, run_benchmark
 
-    def config(url: str, n: int) -> BenchConfig:
+    def config(url: str, n: int, id_seed: int) -> BenchConfig:
         return BenchConfig(base_url=url, trace=str(args.trace), num_prompts=n, length_scale=0.25, seed=0,
-                           vocab_size=vocab_size, ignore_eos=True, max_model_len=SERVER_MAX_MODEL_LEN)
+                           id_seed=id_seed, vocab_size=vocab_size, ignore_eos=True, max_model_len=SERVER_MAX_MODEL_LEN)
 
     urls: dict[str, str] = {}
     pids: dict[str, int] = {}
@@ -249,7 +253,7 @@ def server_rows(args: argparse.Namespace, vocab_size: int) -> dict[str, dict[str
             print(f"\nserver: {name} (log: {args.log}.{name})", flush=True)
             proc = stack.enter_context(serving(cmd, urls[name], log=Path(f"{args.log}.{name}"), env=env, ready_s=900))
             pids[name] = proc.pid
-            asyncio.run(run_benchmark(config(urls[name], 8)))  # warm-up: kvledger compiles its step shapes here
+            asyncio.run(run_benchmark(config(urls[name], 8, WARMUP_ID_SEED)))  # warm-up: kvledger compiles its steps
             runs[name] = []
         names = list(urls)
         for r in range(args.rounds):
@@ -257,7 +261,7 @@ def server_rows(args: argparse.Namespace, vocab_size: int) -> dict[str, dict[str
             for name in order:
                 time.sleep(QUIET_S)
                 others = {n: _tree_cpu_seconds(pid) for n, pid in pids.items() if n != name}
-                m, _ = asyncio.run(run_benchmark(config(urls[name], args.requests)))
+                m, _ = asyncio.run(run_benchmark(config(urls[name], args.requests, r)))
                 idle = sum(_tree_cpu_seconds(pids[n]) - t for n, t in others.items())
                 assert m.failed == 0, f"{name}: {m.failed} requests failed"
                 runs[name].append({"tok/s": m.output_throughput, "output tokens": m.total_output,

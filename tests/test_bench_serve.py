@@ -124,7 +124,7 @@ def test_metrics_follow_vllm_definitions():
 
 @pytest.mark.slow
 def test_bench_serve_against_our_server(azure_csv, tmp_path, capsys):
-    from tests.server_harness import shared_server
+    from tests.server_harness import scrape, shared_server
 
     server = shared_server()
     report = tmp_path / "BENCH.md"
@@ -141,10 +141,19 @@ def test_bench_serve_against_our_server(azure_csv, tmp_path, capsys):
     text = report.read_text()
     assert "`kvledger bench serve" in text and "| TTFT" in text
 
+    before = scrape(server.url)["kvledger:prefix_cache_hits_total"]
     assert main(argv[:-2] + ["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["metrics"]["completed"] == 4 and data["metrics"]["total_output"] == expected_tokens
     assert data["metrics"]["stats_ms"]["tpot"]["mean"] > 0
+    repeated = scrape(server.url)["kvledger:prefix_cache_hits_total"]
+    assert repeated - before >= 32  # the same prompts again: the 38- and 40-token ones hit a full block or more
+
+    # the same requests with fresh token ids: nothing of the earlier runs is found in the prefix cache
+    assert main(argv[:-2] + ["--json", "--id-seed", "4"]) == 0
+    fresh = json.loads(capsys.readouterr().out)
+    assert fresh["metrics"]["total_output"] == expected_tokens and fresh["info"]["id_seed"] == 4
+    assert scrape(server.url)["kvledger:prefix_cache_hits_total"] == repeated
 
 
 @pytest.mark.slow

@@ -120,6 +120,10 @@ class BenchConfig:
     time_scale: float = 1.0
     max_concurrency: int | None = None
     seed: int = 0
+    id_seed: int | None = None
+    """Seed of the prompts' token ids (None: ``seed``). Another value keeps the requests (rows,
+    lengths, arrival times) and draws fresh ids, so that nothing of an earlier run is in a server's
+    prefix cache when the same workload is sent again."""
     sample: str = "random"
     vocab_size: int = 32000
     token_id_low: int = 256
@@ -163,7 +167,8 @@ async def run_benchmark(cfg: BenchConfig) -> tuple[ServingMetrics, dict[str, Any
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
     vocab = min(cfg.vocab_size, len(tokenizer)) if tokenizer is not None else cfg.vocab_size
-    prompts: list[Any] = make_prompts(requests, seed=cfg.seed, vocab_size=vocab, token_id_low=cfg.token_id_low,
+    id_seed = cfg.seed if cfg.id_seed is None else cfg.id_seed
+    prompts: list[Any] = make_prompts(requests, seed=id_seed, vocab_size=vocab, token_id_low=cfg.token_id_low,
                                       length_scale=cfg.length_scale)
     prompt_lens = [len(p) for p in prompts]
     if cfg.prompt_format == "text":
@@ -199,7 +204,7 @@ async def run_benchmark(cfg: BenchConfig) -> tuple[ServingMetrics, dict[str, Any
     metrics = calculate_metrics(list(results), duration, list(cfg.percentiles), tokenizer)
     info = {"model": model, "trace": Path(cfg.trace).name, "format": trace.format, "num_prompts": len(requests),
             "length_scale": cfg.length_scale, "request_rate": cfg.request_rate, "burstiness": cfg.burstiness,
-            "max_concurrency": cfg.max_concurrency, "seed": cfg.seed, "ignore_eos": cfg.ignore_eos,
+            "max_concurrency": cfg.max_concurrency, "seed": cfg.seed, "id_seed": id_seed, "ignore_eos": cfg.ignore_eos,
             "prompt_format": cfg.prompt_format,
             "mean_input_len": float(np.mean([r.input_len for r in requests])),
             "mean_output_len": float(np.mean([r.output_len for r in requests])),

@@ -51,6 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="with --request-rate trace: divide the trace's times by this (default 1)")
     s.add_argument("--max-concurrency", type=positive_int, default=None, help="cap on requests in flight")
     s.add_argument("--seed", type=int, default=0, help="seed for row sampling, token ids and arrivals (default 0)")
+    s.add_argument("--id-seed", type=int, default=None,
+                   help="seed for the prompts' token ids alone (default: --seed); another value sends the same "
+                        "requests with fresh ids, which a server's prefix cache has not seen")
     s.add_argument("--vocab-size", type=positive_int, default=32000,
                    help="random prompt token ids are drawn below this (default 32000)")
     s.add_argument("--ignore-eos", action="store_true",
@@ -98,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = BenchConfig(base_url=args.base_url, trace=args.trace, model=args.model, endpoint=args.endpoint,
                       num_prompts=args.num_prompts, length_scale=args.length_scale, request_rate=args.request_rate,
                       burstiness=args.burstiness, time_scale=args.time_scale, max_concurrency=args.max_concurrency,
-                      seed=args.seed, sample=args.sample, vocab_size=args.vocab_size,
+                      seed=args.seed, id_seed=args.id_seed, sample=args.sample, vocab_size=args.vocab_size,
                       max_model_len=args.max_model_len, api_key=args.api_key, ignore_eos=args.ignore_eos,
                       prompt_format=args.prompt_format, tokenizer=args.tokenizer, percentiles=percentiles)
     metrics, info = asyncio.run(run_benchmark(cfg))
