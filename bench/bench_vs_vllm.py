@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peer", type=Path, default=Path(os.environ.get("KVLEDGER_VLLM_PEER", DEFAULT_PEER)),
                         help=f"the vLLM peer's install prefix (default {DEFAULT_PEER})")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the decode and prefill rows, and of the server runs")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating rounds of the decode and prefill rows, and of the server runs")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--llama-cpp", type=Path, default=Path(os.environ.get("KVLEDGER_LLAMA_CPP_PEER", DEFAULT_LLAMA_CPP)),

@@ -356,7 +356,8 @@ void prefill_gemm(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool
           const int64_t run = std::min({block_size - p % block_size, ctx - p, KC - k});
           const int64_t slot = table[p / block_size] * block_stride + (p % block_size) * token_stride + j * D;
           at::vec::transpose_mxn<float>(kp + slot, token_stride, kt + k, KC, static_cast<int>(run), D);
-          for (int64_t r = 0; r < run; ++r) std::memcpy(vv + (k + r) * D, vp + slot + r * token_stride, D * sizeof(float));
+          for (int64_t r = 0; r < run; ++r)
+            std::memcpy(vv + (k + r) * D, vp + slot + r * token_stride, D * sizeof(float));
           k += run;
         }
       }
@@ -441,7 +442,8 @@ void prefill_gemm(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool
             }
             l[r] += tile_sum;
           }
-          blas::brgemm(r1 - r0, D, cols, KC, D, D, true, probs.data() + r0 * KC, chunk + D * KC, o.data() + r0 * D, kVnni);
+          blas::brgemm(r1 - r0, D, cols, KC, D, D, true, probs.data() + r0 * KC, chunk + D * KC, o.data() + r0 * D,
+                       kVnni);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
