@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
 
-from kvledger.server.engine_thread import engine_thread, on_engine_thread
+from kvledger.server.engine_thread import GIL_SWITCH_INTERVAL_S, engine_thread, on_engine_thread
 
 
 def test_every_call_runs_on_one_thread_that_is_not_the_callers() -> None:
@@ -21,3 +22,10 @@ def test_results_and_errors_come_back_to_the_caller() -> None:
     assert on_engine_thread(dict, a=1) == {"a": 1}
     with pytest.raises(ValueError, match="invalid literal"):
         on_engine_thread(int, "not a number")
+
+
+def test_starting_the_engine_thread_shortens_the_gil_switch_interval() -> None:
+    """The engine thread takes the GIL back after every operator; with Python's 5 ms default it
+    could wait that long behind the event loop's handlers (kvledger serve, fleet replicas)."""
+    engine_thread()
+    assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S) and GIL_SWITCH_INTERVAL_S < 0.005

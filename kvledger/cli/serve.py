@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from kvledger.cli.common import non_negative_float, positive_int, size
 
@@ -55,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from kvledger.engine.config import engine_config_from_args
     from kvledger.engine.llm_engine import LLMEngine
     from kvledger.errors import KVLedgerError
-    from kvledger.server.engine_thread import GIL_SWITCH_INTERVAL_S, on_engine_thread
+    from kvledger.server.engine_thread import on_engine_thread
     from kvledger.server.launcher import bind_socket, build_app, serve_async
 
     if args.model_tag:
@@ -67,7 +66,6 @@ def run(args: argparse.Namespace) -> int:
     if args.data_parallel_size > 1:
         return _run_fleet(args)
     sock = bind_socket(args.host, args.port)  # fail fast, before the model loads
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the event loop's thread and the engine's share the GIL
     engine = on_engine_thread(LLMEngine, engine_config_from_args(args))  # the thread that runs its steps
     app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
                     max_waiting=args.max_waiting_requests, max_body_bytes=int(args.max_request_body_bytes),

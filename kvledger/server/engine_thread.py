@@ -19,20 +19,22 @@ on :func:`engine_thread`; the event loop's thread never runs a parallel region.
 
 The two threads share the GIL: the engine thread takes it back after every torch operator, and
 while the event loop's thread runs Python (the handlers sending a step's tokens) it waits up to
-Python's switch interval, 5 ms by default. ``kvledger serve`` sets :data:`GIL_SWITCH_INTERVAL_S`.
+Python's switch interval, 5 ms by default. Starting the engine thread sets
+:data:`GIL_SWITCH_INTERVAL_S` for the process (``kvledger serve`` and each replica of a fleet).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 import threading
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
 
 GIL_SWITCH_INTERVAL_S = 0.0005
-"""``sys.setswitchinterval`` of a server process (seconds). The 64-request float32 workload of
-``bench/bench_vs_vllm.py --servers`` on 2 cores, servers alternating with the engine alone in one
+"""``sys.setswitchinterval`` of a process that starts the engine thread (seconds). The 64-request
+float32 workload of ``bench/bench_vs_vllm.py --servers`` on 2 cores, servers alternating with the engine alone in one
 run: 5 ms (Python's default) 99.0 / 107.7 / 113.5 output tok/s, 0.5 ms 105.5 / 111.7 / 116.0, the
 engine alone 117.1 / 118.6 / 117.7."""
 
@@ -45,6 +47,7 @@ def engine_thread() -> concurrent.futures.ThreadPoolExecutor:
     global _executor
     with _lock:
         if _executor is None:
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
             _executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-engine")
         return _executor
 
