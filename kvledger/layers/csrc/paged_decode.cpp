@@ -12,19 +12,25 @@
 //   k_scale/v_scale   the fp8 cache's scale per layer (1.0 otherwise)
 //
 // Work is split into spans (a sequence and a run of its blocks): a span reads each key and value
-// once, for every query head of its KV head (GQA), and keeps a partial softmax per query head
-// (its max, its sum, its weighted sum of values) in float32; a second pass merges the spans of
-// each sequence, as flash-decoding does. Long contexts of few sequences are cut into several
-// spans so that every thread works at batch 1. For the common head sizes (64, 128) and group
-// sizes the queries and accumulators are held in vector registers (span_fixed), and with AVX-512
-// the lanes of sixteen keys' products are summed in one tree of shuffles (sum_lanes16). Scores and
-// accumulations are float32 whatever the storage dtype, as SDPA does under a 16-bit model.
-// While a block's rows are read, the first rows of the next block of the table are prefetched: the
-// blocks lie anywhere in the pool, and a 16-token block is too short for the hardware prefetcher
-// to find its stream (64 sequences of 300 tokens, SmolLM2's heads, tables in random order, pool
-// of 2 GiB, Intel Xeon, 2 threads: 2.02 -> 1.67 ms bfloat16, 2.02 -> 1.80 ms float32; 128-token
-// blocks: 1.35 / 1.69 ms without, 1.32 / 1.61 with, prefetching only their first 16 rows; on an
-// AMD EPYC (Zen 4) an earlier prefetch of whole next blocks was slower).
+// once, for every query head (GQA: a KV head's row serves its G query heads), and keeps a partial
+// softmax per query head (its max, its sum, its weighted sum of values) in float32; a second pass
+// merges the spans of each sequence, as flash-decoding does. Long contexts of few sequences are cut
+// into several spans so that every thread works at batch 1. For the common head sizes (64, 128)
+// and group sizes (span_fixed) keys and values are read block by block and, in a block, position
+// by position with all KV heads of a position together, so that each block is read from its start
+// to its end as one run; with AVX-512 the lanes of sixteen keys' products are summed in one tree of
+// shuffles (sum_lanes16). Scores and accumulations are float32 whatever the storage dtype, as SDPA
+// does under a 16-bit model. While a block is read, the first lines of the next block of the
+// table are asked for: the blocks lie anywhere in the pool.
+//
+// Measured (SmolLM2's 9 query and 3 KV heads of 64, 30 layers' pools of 2 GiB in huge pages,
+// tables in random order, a 14 MB read between layers, 2 threads, slower AMD EPYC with AVX-512,
+// float32, ms for the 30 layers): the read one KV head at a time (each head's rows short pieces a
+// row apart) against position by position, 22 sequences of 340 tokens: blocks of 16 22.0 / 22.5,
+// blocks of 128 21.1 / 15.7; 64 x 256 in blocks of 128 39.3 / 32.0. In blocks of 16 both run at
+// about 15 GB/s, what torch's own index_select of 16-token blocks reads here (a contiguous copy:
+// 28-33 GB/s); in blocks of 128 position by position reads at 22-24 GB/s. The next block's first
+// kilobyte asked for or not: no difference measured in blocks of 128.
 //
 // 8-bit elements are widened to float32 as they are read and never dequantized into a copy; their
 // scales go where they cost least, as in attention over the dequantized K/V:
@@ -55,6 +61,7 @@ using kvledger_cpu::load_floats;
 using kvledger_cpu::Vec;
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head this kernel takes
 constexpr int64_t kPrefetchRows = 16;  // rows of the next block prefetched (a larger block streams)
+constexpr int64_t kPrefetchBytes = 1024;  // bytes of the next block prefetched by span_fixed's blocks
 
 // One work item: keys and values [first_block, end_block) of one sequence's blocks, all heads.
 struct Span {
@@ -77,7 +84,7 @@ struct SpanArgs {
   float* max;            // [H] per query head: max score, sum of exp, weighted values [H, dim]
   float* sum;
   float* acc;
-  float* scores;         // scratch, [n] per query head of one KV head
+  float* scores;         // scratch, [n] per query head (span_any: those of one KV head)
   float* token_scales;   // scratch, [2n] (the scales as float32, and as stored)
 };
 
@@ -169,85 +176,127 @@ inline Vec sum_lanes16(const Vec* v) {
 }
 #endif
 
-// Scores of one KV head's G query heads against the span's keys: scores[g * n + t].
+// f(p, t, end) for each block of the span in turn: p the block's first element in a K or V pool,
+// [t, end) the span's positions in it. The next block's first lines are asked for while this one is
+// read: blocks lie anywhere in the pool, and each is one contiguous run of block_size * token_stride
+// elements that the hardware prefetcher follows once it has found its start.
+template <typename KV, typename F>
+inline void for_each_block(const KV* pool, const SpanArgs<KV>& a, F&& f) {
+  const int64_t block_stride = a.block_size * a.token_stride;
+  const int64_t block_bytes = block_stride * static_cast<int64_t>(sizeof(KV));
+  for (int64_t t = 0; t < a.n;) {
+    const KV* p = pool + a.table[(a.t0 + t) / a.block_size] * block_stride;
+    const int64_t end = std::min(a.n, t + a.block_size);
+    if (end < a.n) {
+      const char* next = reinterpret_cast<const char*>(pool + a.table[(a.t0 + end) / a.block_size] * block_stride);
+      const int64_t bytes = std::min<int64_t>(block_bytes, kPrefetchBytes);
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + b, 0, 3);
+    }
+    f(p, t, end);
+    t = end;
+  }
+}
+
+// The products of KV head j's key in `row` (a position's keys, all KV heads) with its G query heads'
+// rows of q ([H, D]), one vector each whose lanes sum to the score.
 template <typename KV, int D, int G>
-inline void span_scores(const SpanArgs<KV>& a, int64_t j, const Vec (&qv)[G][D / Vec::size()]) {
+inline void head_products(const KV* row, const float* q, int64_t j, Vec (&d)[G]) {
   constexpr int64_t W = Vec::size();
   constexpr int C = D / W;
-#if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (W == 16) {  // sixteen keys' products, then their sums in one tree
-    Vec dots[G][16];
-    int64_t pending = 0, base = 0;
-    const auto flush = [&]() {
-      for (int g = 0; g < G; ++g) {
-        for (int64_t p = pending; p < 16; ++p) dots[g][p] = Vec(0.f);
-        sum_lanes16(dots[g]).store(a.scores + g * a.n + base, static_cast<int>(pending));
-      }
-      base += pending;
-      pending = 0;
-    };
-    for_each_row(a.k_pool, a, j, [&](int64_t, const KV* k) {
-      Vec kx[C];
-      for (int c = 0; c < C; ++c) kx[c] = load_floats(k + c * W);
-      for (int g = 0; g < G; ++g) {
-        Vec d = qv[g][0] * kx[0];
-        for (int c = 1; c < C; ++c) d = at::vec::fmadd(qv[g][c], kx[c], d);
-        dots[g][pending] = d;
-      }
-      if (++pending == 16) flush();
-    });
-    if (pending) flush();
-    return;
+  Vec kx[C];
+  for (int c = 0; c < C; ++c) kx[c] = load_floats(row + j * D + c * W);
+  for (int g = 0; g < G; ++g) {
+    const float* qh = q + (j * G + g) * D;
+    Vec acc = Vec::loadu(qh) * kx[0];
+    for (int c = 1; c < C; ++c) acc = at::vec::fmadd(Vec::loadu(qh + c * W), kx[c], acc);
+    d[g] = acc;
   }
+}
+
+// Scores of all query heads against the span's keys, scores[h * n + t], read position by position:
+// each key row (all KV heads) is one contiguous piece of its block, read once from start to end.
+// q holds the scaled queries [H, D]; dots is scratch of 16 vectors per query head.
+template <typename KV, int D, int G>
+inline void span_scores(const SpanArgs<KV>& a, const float* q, Vec* dots) {
+  [[maybe_unused]] constexpr int64_t W = Vec::size();
+  const int64_t heads = a.kv_heads * G;
+  for_each_block(a.k_pool, a, [&](const KV* block, int64_t t0, int64_t end) {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (W == 16) {  // sixteen keys' products per query head, then their sums in one tree
+      const KV* row = block;
+      for (int64_t base = t0; base < end; base += 16) {
+        const int64_t count = std::min<int64_t>(16, end - base);
+        for (int64_t p = 0; p < count; ++p, row += a.token_stride) {
+          for (int64_t j = 0; j < a.kv_heads; ++j) {
+            Vec d[G];
+            head_products<KV, D, G>(row, q, j, d);
+            for (int g = 0; g < G; ++g) dots[(j * G + g) * 16 + p] = d[g];
+          }
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+          for (int64_t p = count; p < 16; ++p) dots[h * 16 + p] = Vec(0.f);
+          sum_lanes16(dots + h * 16).store(a.scores + h * a.n + base, static_cast<int>(count));
+        }
+      }
+      return;
+    }
 #endif
-  for_each_row(a.k_pool, a, j, [&](int64_t t, const KV* k) {
-    Vec kx[C];
-    for (int c = 0; c < C; ++c) kx[c] = load_floats(k + c * W);
-    for (int g = 0; g < G; ++g) {
-      Vec d = qv[g][0] * kx[0];
-      for (int c = 1; c < C; ++c) d = at::vec::fmadd(qv[g][c], kx[c], d);
-      a.scores[g * a.n + t] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, d);
+    const KV* row = block;
+    for (int64_t t = t0; t < end; ++t, row += a.token_stride) {
+      for (int64_t j = 0; j < a.kv_heads; ++j) {
+        Vec d[G];
+        head_products<KV, D, G>(row, q, j, d);
+        for (int g = 0; g < G; ++g)
+          a.scores[(j * G + g) * a.n + t] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, d[g]);
+      }
     }
   });
 }
 
-// Softmax numerators of the G query heads of KV head j from their scores (the per-token key
-// scales applied first, the per-token value scales after: the sum is of the probabilities alone).
+// Softmax numerators of the G query heads of KV head j from their scores, rows [G, n] at scores
+// (the per-token key scales applied first, the per-token value scales after: the sum is of the
+// probabilities alone).
 template <typename KV>
-inline void span_softmax(const SpanArgs<KV>& a, int64_t j, int64_t G) {
-  scale_rows(a.k_scales, a, j, a.scores, G);
+inline void span_softmax(const SpanArgs<KV>& a, int64_t j, int64_t G, float* scores) {
+  scale_rows(a.k_scales, a, j, scores, G);
   for (int64_t g = 0; g < G; ++g) {
-    auto [m, total] = softmax_numerators(a.scores + g * a.n, a.n);
+    auto [m, total] = softmax_numerators(scores + g * a.n, a.n);
     a.max[j * G + g] = m;
     a.sum[j * G + g] = total;
   }
-  scale_rows(a.v_scales, a, j, a.scores, G);
+  scale_rows(a.v_scales, a, j, scores, G);
 }
 
 // One span with the head size D and the query heads per KV head G known at compile time, so
-// that the queries and the accumulators stay in vector registers.
+// that the queries and the accumulators stay in vector registers. Keys and then values are read
+// block by block, all KV heads of a block together: a block's rows are one contiguous run of the
+// pool, where one KV head's rows alone are short pieces a row apart.
 template <typename KV, int D, int G>
 void span_fixed(const SpanArgs<KV>& a) {
   constexpr int64_t W = Vec::size();
   constexpr int C = D / W;
-  for (int64_t j = 0; j < a.kv_heads; ++j) {
-    Vec qv[G][C];
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < C; ++c) qv[g][c] = Vec::loadu(a.q + (j * G + g) * D + c * W) * Vec(a.q_mul);
-    span_scores<KV, D, G>(a, j, qv);
-    span_softmax(a, j, G);
-    Vec acc[G][C];
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < C; ++c) acc[g][c] = Vec(0.f);
-    for_each_row(a.v_pool, a, j, [&](int64_t t, const KV* v) {
-      for (int c = 0; c < C; ++c) {
-        const Vec vx = load_floats(v + c * W);
-        for (int g = 0; g < G; ++g) acc[g][c] = at::vec::fmadd(Vec(a.scores[g * a.n + t]), vx, acc[g][c]);
+  const int64_t heads = a.kv_heads * G;
+  std::vector<Vec> dots(heads * 16);
+  float* q = a.acc;  // the scaled queries, [H, D], where the accumulators go once the scores are made
+  for (int64_t x = 0; x < heads * D; x += W) (Vec::loadu(a.q + x) * Vec(a.q_mul)).store(q + x);
+  span_scores<KV, D, G>(a, q, dots.data());
+  for (int64_t j = 0; j < a.kv_heads; ++j) span_softmax(a, j, G, a.scores + j * G * a.n);
+  std::fill(a.acc, a.acc + heads * D, 0.f);
+  for_each_block(a.v_pool, a, [&](const KV* block, int64_t t0, int64_t end) {
+    const KV* row = block;
+    for (int64_t t = t0; t < end; ++t, row += a.token_stride) {
+      for (int64_t j = 0; j < a.kv_heads; ++j) {
+        Vec vx[C];
+        for (int c = 0; c < C; ++c) vx[c] = load_floats(row + j * D + c * W);
+        for (int g = 0; g < G; ++g) {
+          const Vec p(a.scores[(j * G + g) * a.n + t]);
+          float* o = a.acc + (j * G + g) * D;
+          for (int c = 0; c < C; ++c) at::vec::fmadd(p, vx[c], Vec::loadu(o + c * W)).store(o + c * W);
+        }
       }
-    });
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < C; ++c) (acc[g][c] * Vec(a.v_mul)).store(a.acc + (j * G + g) * D + c * W);
-  }
+    }
+  });
+  for (int64_t x = 0; x < heads * D; x += W) (Vec::loadu(a.acc + x) * Vec(a.v_mul)).store(a.acc + x);
 }
 
 // The same for any head size and group (both multiples checked by the caller), from memory.
@@ -266,7 +315,7 @@ void span_any(const SpanArgs<KV>& a) {
         a.scores[g * a.n + t] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, d);
       }
     });
-    span_softmax(a, j, G);
+    span_softmax(a, j, G, a.scores);
     float* acc = a.acc + j * G * D;
     std::fill(acc, acc + G * D, 0.f);
     for_each_row(a.v_pool, a, j, [&](int64_t t, const KV* v) {
@@ -372,14 +421,14 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool, cons
         std::fill(mx, mx + partial_size, 0.f);  // an empty span: sum 0, merged as nothing
         continue;
       }
-      scratch.resize(heads * dim + (group + 2) * n);  // the query rows, scores, token scales
+      scratch.resize(heads * dim + (heads + 2) * n);  // the query rows, scores, token scales
       float* qf = scratch.data();  // the sequence's queries as float32: spans read one type whatever T
       for (int64_t h = 0; h < heads; ++h)
         for (int64_t x = 0; x < dim; x += Vec::size())
           load_floats(qp + sp.seq * q_seq + h * q_head + x).store(qf + h * dim + x);
       const SpanArgs<KV> args{qf, q_mul, v_mul, kp, vp, k_scales, v_scales, tables + sp.seq * max_blocks, t0, n,
                               block_size, token_stride, kv_heads, group, dim, mx, mx + heads, mx + 2 * heads,
-                              qf + heads * dim, qf + heads * dim + group * n};
+                              qf + heads * dim, qf + heads * dim + heads * n};
       run_span(args);
     }
   });
