@@ -25,4 +25,4 @@ def engine_llm():
     """One default-model LLM (float32, prefix caching on) shared by the engine tests that can share it."""
     from kvledger import LLM
 
-    return LLM(model="smollm2-135m", dtype="float32", kv_cache_memory="256MiB", max_num_batched_tokens=64)
+    return LLM(model="smollm2-135m", dtype="float32", kv_cache_memory="256MiB", max_num_batched_tokens=64, block_size=16)

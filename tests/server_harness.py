@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict
 
 # A pool of 192 MiB (~270 blocks of 16 tokens for SmolLM2-135M in fp32) holds 100+ short requests at once.
-ENGINE_ARGS = dict(model="smollm2-135m", dtype="float32", kv_cache_memory="192MiB", max_model_len=1024)
+ENGINE_ARGS = dict(model="smollm2-135m", dtype="float32", kv_cache_memory="192MiB", max_model_len=1024, block_size=16)
 MODEL = "smollm2-135m"
 
 PROMPTS = [

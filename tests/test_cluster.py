@@ -24,7 +24,7 @@ ray = pytest.importorskip("ray")
 PREFIXES, PREFIX_TOKENS, REQUESTS = 16, 128, 96
 BLOCKS = 65  # per replica: its half of the prefixes (8 x 8 blocks) and the own block of the one request in flight
 ENGINE = dict(model="smollm2-135m", dtype="float32", num_gpu_blocks_override=BLOCKS, max_num_batched_tokens=512,
-              max_model_len=512, max_num_seqs=8)
+              max_model_len=512, max_num_seqs=8, block_size=16)
 
 
 def _free_port() -> int:

@@ -150,3 +150,22 @@ def test_failed_step_aborts_its_requests_and_leaves_no_unwritten_prefix(engine_l
     assert [o.num_cached_tokens for o in after] == [0, 0]
     assert [o.outputs[0].token_ids for o in after] == before[:2]
     engine.check_integrity()
+
+
+def test_block_size_defaults_to_vllms_for_the_device():
+    """No block size given: 128 tokens on CPU (vLLM's CPU platform default), 16 on CUDA; an
+    explicit one is kept, and the CLI reports the size the engine took."""
+    from kvledger import LLM
+    from kvledger.engine.config import EngineConfig, default_block_size
+    from tests.cli_helpers import kvledger
+
+    assert (default_block_size("cpu"), default_block_size("cuda"), default_block_size("cuda:1")) == (128, 16, 16)
+    assert EngineConfig().block_size is None
+    llm = LLM(model="smollm2-135m", num_gpu_blocks_override=4, device="cpu")
+    assert llm.llm_engine.block_size == llm.llm_engine.ledger().block_size == 128
+    assert llm.llm_engine.max_model_len == 4 * 128
+    explicit = LLM(model="smollm2-135m", num_gpu_blocks_override=4, block_size=32, device="cpu")
+    assert explicit.llm_engine.ledger().block_size == 32
+    cli = kvledger("generate", "hi", "--max-tokens", "1", "--device", "cpu", "--num-gpu-blocks-override", "4", "--json")
+    assert cli.returncode == 0, cli.stderr
+    assert cli.json()["kv"]["block_size"] == 128

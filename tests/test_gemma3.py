@@ -82,7 +82,7 @@ def reference(prompts):
 def _llm(**kwargs):
     from kvledger import LLM
 
-    return LLM(model="gemma-3-270m", dtype="float32", **kwargs)
+    return LLM(model="gemma-3-270m", dtype="float32", **{"block_size": 16, **kwargs})
 
 
 def _run(llm, prompts, check_bytes=True):
@@ -167,7 +167,7 @@ def test_generate_json_lists_the_kv_groups():
     from tests.cli_helpers import kvledger
 
     kv = kvledger("generate", "--model", "gemma-3-270m", "The capital of France is", "--max-tokens", "2",
-                  "--kv-cache-memory", "64MiB", "--json").json()["kv"]
+                  "--kv-cache-memory", "64MiB", "--block-size", "16", "--json").json()["kv"]
     groups = kv["groups"]
     assert [g["attention"] for g in groups] == ["full_attention"] + ["sliding_attention"] * 5
     assert sorted(layer for g in groups for layer in g["layers"]) == list(range(18))

@@ -19,7 +19,7 @@ KINDS = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 def _engine(kind: str) -> LLMEngine:
     return LLMEngine(EngineConfig(model="smollm2-135m", dtype="float32", kv_cache_dtype=kind, kv_cache_memory=POOL,
-                                  max_model_len=512))
+                                  max_model_len=512, block_size=16))
 
 
 @pytest.fixture(scope="module")

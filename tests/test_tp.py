@@ -27,7 +27,8 @@ PROMPTS = [
 ]
 NEW_TOKENS = 32
 # 30 blocks of 16 tokens: the 12 requests need 36 by their end, so both engines preempt (recompute)
-ENGINE_ARGS = dict(model="smollm2-135m", dtype="float32", num_gpu_blocks_override=30, max_num_batched_tokens=256)
+ENGINE_ARGS = dict(model="smollm2-135m", dtype="float32", num_gpu_blocks_override=30, max_num_batched_tokens=256,
+                   block_size=16)
 
 
 def _lockstep(a, b, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, int]:
@@ -133,7 +134,7 @@ def test_one_kv_head_replicated_at_tp2_through_the_cli(one_kv_head_llama):
         (out,) = tp1.step()
     assert two["token_ids"] == out.outputs[0].token_ids and len(two["token_ids"]) == 24
     spec = ModelSpec.from_config_dict({**tp1.hf_config, "torch_dtype": "float32"})
-    per_rank = kv_bytes(spec, "float32", tokens=40 * 16, tensor_parallel_size=2).total_bytes
+    per_rank = kv_bytes(spec, "float32", tokens=40 * tp1.block_size, tensor_parallel_size=2).total_bytes
     kv = two["kv"]
     assert kv["ranks"] == 2 and kv["bytes_per_rank"] == per_rank == tp1.ledger().measured_bytes  # the head is copied
     assert kv["measured_bytes_by_rank"] == [per_rank, per_rank] and kv["measured_bytes"] == 2 * per_rank

@@ -5,6 +5,8 @@ Sizes: ``kv_cache_memory`` is bytes for the KV block pool (an int, or a string s
 (vLLM's ``--gpu-memory-utilization`` default) and the CPU takes ``CPU_KV_CACHE_SHARE`` (10%)
 of the RAM available at start-up, at most ``CPU_KV_CACHE_MAX`` (4 GiB, vLLM's CPU default).
 Token counts (``max_model_len``, ``max_num_batched_tokens``, ``block_size``) are in tokens.
+``block_size`` left at None takes vLLM's default for the device (:func:`default_block_size`: 128
+tokens on CPU, 16 on CUDA).
 ``seed`` seeds the draws of sampled requests that carry no seed of their own (None: torch's
 global generator decides).
 """
@@ -18,6 +20,15 @@ import re
 
 from kvledger.errors import KVLedgerError
 from kvledger.spec.dtypes import ENGINE_KV_CACHE_DTYPES
+
+CUDA_BLOCK_SIZE = 16
+"""Tokens per KV block on CUDA when none is given (vLLM's default there)."""
+CPU_BLOCK_SIZE = 128
+"""Tokens per KV block on CPU when none is given: vLLM's CPU platform sets 128 where the user set
+none. Decode attention reads each sequence's blocks where they lie in the pool, and on CPU a
+16-token block (12 KiB of K per layer for SmolLM2 in float32) is too short a run for the memory
+system: 22 sequences of 340 tokens, 30 layers, 2 threads, AMD EPYC, 22.5 ms of attention a decode
+step in blocks of 16 against 15.7 in blocks of 128 (BENCHMARKS.md)."""
 
 VLLM_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 """The ``--block-size`` values vLLM accepts on CUDA: the CLI's choices (the Python API takes any
@@ -35,7 +46,8 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "float32"
     device: str = "auto"
-    block_size: int = 16
+    block_size: int | None = None
+    """Tokens per KV block; None: vLLM's default for the device (:func:`default_block_size`)."""
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -59,6 +71,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             value = getattr(self, name)
+            if value is None and name == "block_size":
+                continue
             if not isinstance(value, int) or value < 1:
                 raise KVLedgerError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -87,6 +101,16 @@ class EngineConfig:
         return cls(**kwargs)
 
 
+def default_block_size(device: str) -> int:
+    """vLLM's tokens per KV block where none is given, for a ``--device`` value (``cpu``, ``cuda``,
+    ``cuda:N``; ``auto`` is CUDA where torch sees a device)."""
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return CUDA_BLOCK_SIZE if device.startswith("cuda") else CPU_BLOCK_SIZE
+
+
 def add_engine_args(parser: Any) -> None:
     """Add the engine flags (vLLM names) to an argparse parser; the server reuses this too."""
     import argparse
@@ -99,8 +123,9 @@ def add_engine_args(parser: Any) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights and activations dtype (default float32)")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda if present)")
-    g.add_argument("--block-size", type=int, default=16, choices=VLLM_BLOCK_SIZES, metavar="N",
-                   help=f"tokens per KV block: {', '.join(map(str, VLLM_BLOCK_SIZES))} (default 16)")
+    g.add_argument("--block-size", type=int, default=None, choices=VLLM_BLOCK_SIZES, metavar="N",
+                   help=f"tokens per KV block: {', '.join(map(str, VLLM_BLOCK_SIZES))} (default, as vLLM: "
+                        f"{CPU_BLOCK_SIZE} on CPU, {CUDA_BLOCK_SIZE} on CUDA)")
     g.add_argument("--max-model-len", type=positive_int, default=None,
                    help="max prompt + output tokens per request (default: the model's, capped by the pool)")
     g.add_argument("--max-num-seqs", type=positive_int, default=256, help="max running requests (default 256)")

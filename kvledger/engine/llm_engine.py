@@ -31,7 +31,8 @@ import torch
 
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.compile import compile_enabled
-from kvledger.engine.config import CPU_KV_CACHE_MAX, CPU_KV_CACHE_SHARE, GPU_MEMORY_UTILIZATION, EngineConfig
+from kvledger.engine.config import (CPU_KV_CACHE_MAX, CPU_KV_CACHE_SHARE, GPU_MEMORY_UTILIZATION, EngineConfig,
+                                     default_block_size)
 from kvledger.engine.kv_cache_manager import FULL_ATTENTION, KVCacheGroup, KVCacheManager
 from kvledger.engine.model_runner import ModelRunner
 from kvledger.engine.outputs import CompletionOutput, KVGroupLedger, KVLedger, RequestOutput, StepRecord
@@ -79,8 +80,10 @@ class LLMEngine:
         from kvledger.models.llama import LlamaForCausalLM
         from kvledger.spec import ModelSpec, kv_bytes, resolve_kv_cache_dtype
 
-        self.config = config
         self.device = _pick_device(config.device)
+        if config.block_size is None:
+            config = dataclasses.replace(config, block_size=default_block_size(self.device.type))
+        self.config = config
         dtype_name = "float32" if config.dtype == "auto" else config.dtype
         self.dtype = TORCH_DTYPES[dtype_name]
         checkpoint = resolve_model(config.model)
