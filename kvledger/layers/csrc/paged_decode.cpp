@@ -30,7 +30,7 @@
 // blocks of 128 21.1 / 15.7; 64 x 256 in blocks of 128 39.3 / 32.0. In blocks of 16 both run at
 // about 15 GB/s, what torch's own index_select of 16-token blocks reads here (a contiguous copy:
 // 28-33 GB/s); in blocks of 128 position by position reads at 22-24 GB/s. The next block's first
-// kilobyte asked for or not: no difference measured in blocks of 128.
+// kilobyte asked for or not: no difference measured in blocks of 128 (the first rows are asked for).
 //
 // 8-bit elements are widened to float32 as they are read and never dequantized into a copy; their
 // scales go where they cost least, as in attention over the dequantized K/V:
@@ -61,7 +61,6 @@ using kvledger_cpu::load_floats;
 using kvledger_cpu::Vec;
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head this kernel takes
 constexpr int64_t kPrefetchRows = 16;  // rows of the next block prefetched (a larger block streams)
-constexpr int64_t kPrefetchBytes = 1024;  // bytes of the next block prefetched by span_fixed's blocks
 
 // One work item: keys and values [first_block, end_block) of one sequence's blocks, all heads.
 struct Span {
@@ -86,24 +85,36 @@ struct SpanArgs {
   float* acc;
   float* scores;         // scratch, [n] per query head (span_any: those of one KV head)
   float* token_scales;   // scratch, [2n] (the scales as float32, and as stored)
+  Vec* dots;             // scratch, 16 vectors per query head (span_fixed's sums of sixteen keys)
 };
 
-// f(t, p) for the span's positions t = 0 .. n-1, p pointing at offset `at` of position t0 + t in a
-// block pool of `token_stride` elements per position: one table lookup per block (spans start on
-// a block boundary).
+// f(p, t, end) for each block of the span in turn: p at offset `at` of the block's first position
+// in a block pool of `token_stride` elements per position, [t, end) the span's positions in it (spans
+// start on a block boundary: one table lookup per block). The next block's first rows are asked
+// for while this block's are read: the blocks lie anywhere in the pool, and the hardware
+// prefetcher needs a few rows of a block to find its run.
 template <typename P, typename KV, typename F>
-inline void for_each_position(const P* pool, const SpanArgs<KV>& a, int64_t at, int64_t token_stride, F&& f) {
+inline void for_each_block(const P* pool, const SpanArgs<KV>& a, int64_t at, int64_t token_stride, F&& f) {
   const int64_t block_stride = a.block_size * token_stride;
   for (int64_t t = 0; t < a.n;) {
     const P* p = pool + a.table[(a.t0 + t) / a.block_size] * block_stride + at;
     const int64_t end = std::min(a.n, t + a.block_size);
-    if (end < a.n) {  // the next block's first rows, asked for while this block's are read
+    if (end < a.n) {
       const char* next = reinterpret_cast<const char*>(pool + a.table[(a.t0 + end) / a.block_size] * block_stride + at);
       const int64_t rows = std::min<int64_t>(a.block_size, kPrefetchRows);
       for (int64_t r = 0; r < rows; ++r) __builtin_prefetch(next + r * token_stride * sizeof(P), 0, 3);
     }
-    for (; t < end; ++t, p += token_stride) f(t, p);
+    f(p, t, end);
+    t = end;
   }
+}
+
+// f(t, p) for the span's positions t = 0 .. n-1, p pointing at offset `at` of position t0 + t.
+template <typename P, typename KV, typename F>
+inline void for_each_position(const P* pool, const SpanArgs<KV>& a, int64_t at, int64_t token_stride, F&& f) {
+  for_each_block(pool, a, at, token_stride, [&](const P* p, int64_t t, int64_t end) {
+    for (; t < end; ++t, p += token_stride) f(t, p);
+  });
 }
 
 // f(t, row) with row the [dim] elements of KV head kv_head at the span's position t in a K or V pool.
@@ -176,27 +187,6 @@ inline Vec sum_lanes16(const Vec* v) {
 }
 #endif
 
-// f(p, t, end) for each block of the span in turn: p the block's first element in a K or V pool,
-// [t, end) the span's positions in it. The next block's first lines are asked for while this one is
-// read: blocks lie anywhere in the pool, and each is one contiguous run of block_size * token_stride
-// elements that the hardware prefetcher follows once it has found its start.
-template <typename KV, typename F>
-inline void for_each_block(const KV* pool, const SpanArgs<KV>& a, F&& f) {
-  const int64_t block_stride = a.block_size * a.token_stride;
-  const int64_t block_bytes = block_stride * static_cast<int64_t>(sizeof(KV));
-  for (int64_t t = 0; t < a.n;) {
-    const KV* p = pool + a.table[(a.t0 + t) / a.block_size] * block_stride;
-    const int64_t end = std::min(a.n, t + a.block_size);
-    if (end < a.n) {
-      const char* next = reinterpret_cast<const char*>(pool + a.table[(a.t0 + end) / a.block_size] * block_stride);
-      const int64_t bytes = std::min<int64_t>(block_bytes, kPrefetchBytes);
-      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + b, 0, 3);
-    }
-    f(p, t, end);
-    t = end;
-  }
-}
-
 // The products of KV head j's key in `row` (a position's keys, all KV heads) with its G query heads'
 // rows of q ([H, D]), one vector each whose lanes sum to the score.
 template <typename KV, int D, int G>
@@ -215,12 +205,13 @@ inline void head_products(const KV* row, const float* q, int64_t j, Vec (&d)[G])
 
 // Scores of all query heads against the span's keys, scores[h * n + t], read position by position:
 // each key row (all KV heads) is one contiguous piece of its block, read once from start to end.
-// q holds the scaled queries [H, D]; dots is scratch of 16 vectors per query head.
+// q holds the scaled queries [H, D].
 template <typename KV, int D, int G>
-inline void span_scores(const SpanArgs<KV>& a, const float* q, Vec* dots) {
+inline void span_scores(const SpanArgs<KV>& a, const float* q) {
+  Vec* dots = a.dots;
   [[maybe_unused]] constexpr int64_t W = Vec::size();
   const int64_t heads = a.kv_heads * G;
-  for_each_block(a.k_pool, a, [&](const KV* block, int64_t t0, int64_t end) {
+  for_each_block(a.k_pool, a, 0, a.token_stride, [&](const KV* block, int64_t t0, int64_t end) {
 #if defined(CPU_CAPABILITY_AVX512)
     if constexpr (W == 16) {  // sixteen keys' products per query head, then their sums in one tree
       const KV* row = block;
@@ -276,13 +267,12 @@ void span_fixed(const SpanArgs<KV>& a) {
   constexpr int64_t W = Vec::size();
   constexpr int C = D / W;
   const int64_t heads = a.kv_heads * G;
-  std::vector<Vec> dots(heads * 16);
   float* q = a.acc;  // the scaled queries, [H, D], where the accumulators go once the scores are made
   for (int64_t x = 0; x < heads * D; x += W) (Vec::loadu(a.q + x) * Vec(a.q_mul)).store(q + x);
-  span_scores<KV, D, G>(a, q, dots.data());
+  span_scores<KV, D, G>(a, q);
   for (int64_t j = 0; j < a.kv_heads; ++j) span_softmax(a, j, G, a.scores + j * G * a.n);
   std::fill(a.acc, a.acc + heads * D, 0.f);
-  for_each_block(a.v_pool, a, [&](const KV* block, int64_t t0, int64_t end) {
+  for_each_block(a.v_pool, a, 0, a.token_stride, [&](const KV* block, int64_t t0, int64_t end) {
     const KV* row = block;
     for (int64_t t = t0; t < end; ++t, row += a.token_stride) {
       for (int64_t j = 0; j < a.kv_heads; ++j) {
@@ -412,6 +402,7 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool, cons
   const SpanFn<KV> run_span = pick<KV>(dim, group);
   at::parallel_for(0, num_spans, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
+    std::vector<Vec> dots(heads * 16);
     for (int64_t i = begin; i < end; ++i) {
       const Span sp = spans[i];
       const int64_t t0 = sp.first_block * block_size;
@@ -428,7 +419,7 @@ void decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool, cons
           load_floats(qp + sp.seq * q_seq + h * q_head + x).store(qf + h * dim + x);
       const SpanArgs<KV> args{qf, q_mul, v_mul, kp, vp, k_scales, v_scales, tables + sp.seq * max_blocks, t0, n,
                               block_size, token_stride, kv_heads, group, dim, mx, mx + heads, mx + 2 * heads,
-                              qf + heads * dim, qf + heads * dim + heads * n};
+                              qf + heads * dim, qf + heads * dim + heads * n, dots.data()};
       run_span(args);
     }
   });
