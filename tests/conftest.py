@@ -26,3 +26,39 @@ def engine_llm():
     from kvledger import LLM
 
     return LLM(model="smollm2-135m", dtype="float32", kv_cache_memory="256MiB", max_num_batched_tokens=64, block_size=16)
+
+
+# ---- CPU kernels (tests of kvledger/layers/csrc) ------------------------------------------------
+CPU_CAPABILITY_FLAGS = {
+    "avx2": {"avx2", "fma", "f16c"},
+    "avx512": {"avx512f", "avx512dq", "avx512vl", "avx512bw"},
+}
+"""What each capability of kvledger's CPU kernels needs, as /proc/cpuinfo names the CPU's features
+(read here, not through torch, so that a capability the CPU has but the build step missed fails)."""
+
+
+def cpu_flags() -> set[str]:
+    """The feature flags of this machine's CPU (/proc/cpuinfo's first ``flags`` line)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@pytest.fixture(scope="module", params=sorted(CPU_CAPABILITY_FLAGS))
+def capability(request):
+    """Runs a kernel test module once per vector capability of kvledger's CPU kernels (the test ids
+    end in ``[avx2]``, ``[avx512]``): skipped where the CPU lacks it, a failure where the CPU has it
+    and its kernels do not load. Modules take it with ``pytestmark = pytest.mark.usefixtures("capability")``."""
+    from kvledger.layers import cpu_kernels
+
+    name = request.param
+    if not CPU_CAPABILITY_FLAGS[name] <= cpu_flags():
+        pytest.skip(f"this CPU has no {name.upper()}")
+    with cpu_kernels.use(name) as build:
+        assert build.loaded, f"this CPU has {name.upper()} but its kernels did not load: {build.reason}"
+        yield name

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from kvledger.layers import cpu_kernels
 from kvledger.layers.linear import SMALL_BATCH_ROWS, Linear, PackedWeight, linear, pack_weight, packs
 
+pytestmark = pytest.mark.usefixtures("capability")  # every test under each vector capability
+
 needs_onednn = pytest.mark.skipif(not packs(torch.float32), reason="torch built without oneDNN")
 
 
@@ -86,7 +88,7 @@ def test_pack_weight_follows_the_cpu() -> None:
         assert packed is not None and packed.onednn is not None and packed.onednn.dtype == torch.float32
     if cpu_kernels.loaded():
         assert packed is not None and packed.panels is not None and packed.panels.dtype == torch.bfloat16
-        width = torch.ops.kvledger_cpu.panel_width()
+        width = cpu_kernels.ops().panel_width()
         # panel p, row k holds the weights of output columns p * width .. p * width + width - 1 at input k
         assert torch.equal(packed.panels[1, 5], w.bfloat16()[width:2 * width, 5])
         assert pack_weight(torch.randn(width + 8, 16)).panels is None  # no whole number of panels
@@ -123,17 +125,17 @@ def test_panel_linear_matches_a_float32_product(rows: int, x_dtype: torch.dtype,
     """Rows through kvledger's panel kernel (row counts that fill the kernel's groups of rows, and
     that leave part-groups): the float32 product of the same values (a bfloat16 weight widened
     exactly), rounded once to x's dtype; then the residual added as torch adds."""
-    width = torch.ops.kvledger_cpu.panel_width()
+    width = cpu_kernels.ops().panel_width()
     for out in (width, 3 * width):
         x, w, b, r = _panel_operands(rows, out, x_dtype)
         w = w.to(w_dtype)
-        panels = torch.ops.kvledger_cpu.pack_panels(w)
+        panels = cpu_kernels.ops().pack_panels(w)
         reference = F.linear(x.float(), w.float())
-        y = torch.ops.kvledger_cpu.panel_linear(x, panels, None, None)
+        y = cpu_kernels.ops().panel_linear(x, panels, None, None)
         assert y.dtype == x_dtype and y.shape == (rows, out)
         exact = 1e-5 if x_dtype == torch.float32 else 1e-2
         torch.testing.assert_close(y.float(), reference.to(x_dtype).float(), rtol=exact, atol=exact)
-        full = torch.ops.kvledger_cpu.panel_linear(x, panels, b, r)
+        full = cpu_kernels.ops().panel_linear(x, panels, b, r)
         expected = F.linear(x.float(), w.float(), b.float()).to(x_dtype) + r
         torch.testing.assert_close(full, expected, rtol=2e-2 if x_dtype == torch.bfloat16 else 1e-5,
                                    atol=2e-2 if x_dtype == torch.bfloat16 else 1e-5)
@@ -150,17 +152,17 @@ def test_panel_linear_matches_a_float32_product(rows: int, x_dtype: torch.dtype,
 
 @needs_kernels
 def test_panel_linear_refuses_what_it_cannot_take() -> None:
-    width = torch.ops.kvledger_cpu.panel_width()
+    width = cpu_kernels.ops().panel_width()
     x, w, _, _ = _panel_operands(4, 2 * width, torch.float32)
     with pytest.raises(RuntimeError, match="multiple of"):
-        torch.ops.kvledger_cpu.pack_panels(w[:width + 1])
-    panels = torch.ops.kvledger_cpu.pack_panels(w)
+        cpu_kernels.ops().pack_panels(w[:width + 1])
+    panels = cpu_kernels.ops().pack_panels(w)
     with pytest.raises(RuntimeError, match="contiguous"):
-        torch.ops.kvledger_cpu.panel_linear(x.t().contiguous().t(), panels, None, None)
+        cpu_kernels.ops().panel_linear(x.t().contiguous().t(), panels, None, None)
     with pytest.raises(RuntimeError, match="pack_panels"):
-        torch.ops.kvledger_cpu.panel_linear(x, w, None, None)
+        cpu_kernels.ops().panel_linear(x, w, None, None)
     with pytest.raises(RuntimeError, match="bias"):
-        torch.ops.kvledger_cpu.panel_linear(x, panels, torch.zeros(width), None)
+        cpu_kernels.ops().panel_linear(x, panels, torch.zeros(width), None)
 
 
 @needs_kernels
@@ -169,13 +171,13 @@ def test_the_lm_head_keeps_panels_alone_where_they_take_64_rows() -> None:
     no oneDNN copy is kept (the vocabulary makes it the largest weight); elsewhere it is packed as
     any weight. Either way the product is F.linear's."""
 
-    width = torch.ops.kvledger_cpu.panel_width()
+    width = cpu_kernels.ops().panel_width()
     x, w, _, _ = _panel_operands(100, 4 * width, torch.float32)
     head = pack_weight(w, logits=True)
     assert head is not None and head.panels is not None
     if cpu_kernels.vector_width() >= 16:
         assert head.onednn is None and head.panel_rows >= 100
-        assert torch.equal(linear(x, w, None, head), torch.ops.kvledger_cpu.panel_linear(x, head.panels, None, None))
+        assert torch.equal(linear(x, w, None, head), cpu_kernels.ops().panel_linear(x, head.panels, None, None))
     else:
         assert head.panel_rows == pack_weight(w).panel_rows
     torch.testing.assert_close(linear(x, w, None, head), F.linear(x, w), rtol=1e-5, atol=1e-5)

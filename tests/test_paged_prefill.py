@@ -13,6 +13,8 @@ from kvledger.layers import cpu_kernels, paged_prefill
 from kvledger.layers.paged_prefill import paged_prefill_attention
 from tests.engine_helpers import tokens_and_last_logits
 
+pytestmark = pytest.mark.usefixtures("capability")  # every test under each vector capability
+
 
 def _cache(blocks: int, block_size: int, kv_heads: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.randn(blocks, block_size, kv_heads, dim).to(dtype), torch.randn(blocks, block_size, kv_heads, dim).to(dtype))

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from kvledger.layers import cpu_kernels
 from kvledger.layers.rmsnorm import RMSNorm
 
+pytestmark = pytest.mark.usefixtures("capability")  # every test under each vector capability
+
 
 def _torch_formula(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:

@@ -13,6 +13,8 @@ from kvledger.layers import cpu_kernels
 from kvledger.layers.activation import silu_and_mul
 from kvledger.layers.rotary import apply_rotary
 
+pytestmark = pytest.mark.usefixtures("capability")  # every test under each vector capability
+
 
 def _rope_by_operators(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2

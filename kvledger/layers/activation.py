@@ -14,7 +14,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     (:mod:`kvledger.layers.cpu_kernels`), equal to the torch operators below, which run elsewhere."""
     if (gate_up.device.type == "cpu" and gate_up.dim() == 2 and gate_up.is_contiguous()
             and gate_up.dtype in cpu_kernels.KERNEL_DTYPES and not torch.compiler.is_compiling() and cpu_kernels.loaded()):
-        return torch.ops.kvledger_cpu.silu_and_mul(gate_up)
+        return cpu_kernels.ops().silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

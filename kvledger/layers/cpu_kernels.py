@@ -15,22 +15,32 @@ Six kernels, each where torch's general ones leave this CPU idle:
   speed with few rows and keeping the FMA units busy with more (:mod:`kvledger.layers.linear`).
 
 They are compiled with the C++ compiler that ``torch.compile`` needs too
-(``torch.utils.cpp_extension``), for the vector instructions inductor picks for this CPU, in
-about a minute on two cores. The build lives in a directory of torch's extension root keyed by
-a hash of the sources, the flags and the torch and Python versions (:func:`build_directory`), so
-two checkouts with the same sources share one build and different sources never rebuild over
-each other. Builders take an advisory lock on that directory (``flock``, which the system
-releases when a process dies), so a build killed halfway never leaves behind a lock that makes
-every later load wait forever (torch's own lock file is cleared while the lock is held). A
-process that waits longer than ``KVLEDGER_CPU_KERNELS_WAIT_S`` (default 900 s) for another
-one's build gives up. Where they cannot be built (no compiler, the wait given up), or with
-``KVLEDGER_CPU_KERNELS=0``, the engine runs torch's own operators (SDPA over fresh or gathered
-K/V, the composite norm, RoPE and gate, oneDNN's or MKL's products) and says why once in its log.
+(``torch.utils.cpp_extension``), in about a minute on two cores, once per *capability*: the vector
+instructions they are built for, ``avx2`` (8 floats a vector) or ``avx512`` (16; with this CPU's
+AVX-512 extras, BF16 and VNNI, where inductor finds them). The process runs the best capability
+the CPU has, or the one ``KVLEDGER_CPU_CAPABILITY`` names (``avx2`` on an AVX-512 machine runs the
+code an AVX2-only one runs, as ``ATEN_CPU_CAPABILITY`` does for ATen's kernels); :func:`use`
+switches it, and the tests run every kernel under every capability the machine has
+(:func:`machine_capabilities`). Each build registers its operators in its own namespace
+(``torch.ops.kvledger_cpu_avx2``, ``torch.ops.kvledger_cpu_avx512``; :func:`ops` is the current
+one), so both load side by side. A CPU without AVX2 builds nothing and runs torch's operators.
+
+A build lives in a directory of torch's extension root keyed by a hash of the sources, the flags
+and the torch and Python versions (:func:`build_directory`), so two checkouts with the same sources
+share one build and different sources never rebuild over each other. Builders take an advisory
+lock on that directory (``flock``, which the system releases when a process dies), so a build
+killed halfway never leaves behind a lock that makes every later load wait forever (torch's own
+lock file is cleared while the lock is held). A process that waits longer than
+``KVLEDGER_CPU_KERNELS_WAIT_S`` (default 900 s) for another one's build gives up. Where they cannot
+be built (no compiler, no AVX2, the wait given up), or with ``KVLEDGER_CPU_KERNELS=0``, the engine
+runs torch's own operators (SDPA over fresh or gathered K/V, the composite norm, RoPE and gate,
+oneDNN's or MKL's products) and says why once in its log.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import fcntl
 import hashlib
 import logging
@@ -39,51 +49,93 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 CPU_KERNELS_ENV = "KVLEDGER_CPU_KERNELS"
+CAPABILITY_ENV = "KVLEDGER_CPU_CAPABILITY"
 WAIT_ENV = "KVLEDGER_CPU_KERNELS_WAIT_S"
 DEFAULT_WAIT_S = 900.0
 """Seconds a process waits for another one's build of the same kernels before it gives up."""
 NAME = "kvledger_cpu_kernels"
+CAPABILITIES = ("avx2", "avx512")
+"""The vector capabilities the kernels are built for, lowest first."""
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes the kernels compute in."""
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "rms_norm.cpp", "rotary.cpp", "silu_and_mul.cpp",
-                                                                "panel_linear.cpp")]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("ops.cpp", "paged_decode.cpp", "paged_prefill.cpp", "rms_norm.cpp", "rotary.cpp",
+                                    "silu_and_mul.cpp", "panel_linear.cpp")]
 
 log = logging.getLogger("kvledger.engine")
 
+
+@dataclass
+class Build:
+    """One capability's kernels: loaded or why not, the floats per vector, their operators."""
+
+    capability: str
+    loaded: bool = False
+    width: int = 0
+    reason: str | None = None
+    ops: Any = None
+
+
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "loaded": bool, "width": floats per vector, "reason": str
+_builds: dict[str, Build] = {}
+_current: list[str] = []  # the capability the process runs, chosen on first use
 
 
-def _flags() -> tuple[list[str], int]:
-    """The compiler flags for this CPU and the floats per vector they give."""
-    flags = ["-O3", "-fopenmp"]
-    width = 8  # floats per vector without a vector ISA (ATen's default: 32 bytes)
-    try:  # the vector ISA inductor would use on this CPU, and ATen's macro for it
-        from torch._inductor import cpu_vec_isa
+def _vec_isa(capability: str) -> Any:
+    """inductor's vector ISA for ``capability`` on this CPU (its flags and macros), or None where
+    the CPU or the compiler lacks it: AVX2 itself, or the best of the AVX-512 family (with BF16,
+    VNNI and AMX where this CPU has them)."""
+    from torch._inductor import cpu_vec_isa
 
-        isa = cpu_vec_isa.pick_vec_isa()
-        if isa:
-            flags += [f"-D{m}" for m in isa.build_macro()] + isa.build_arch_flags().split()
-            width = isa.nelements(torch.float32)
-    except Exception as err:  # noqa: BLE001 - a private API: plain C++ still works
-        log.info("no vector ISA for the CPU kernels (%s); building them without one", err)
-    return flags, width
+    if capability == "avx2":
+        isa = cpu_vec_isa.VecAVX2()
+        return isa if isa in cpu_vec_isa.valid_vec_isa_list() else None
+    best = [isa for isa in cpu_vec_isa.valid_vec_isa_list() if isinstance(isa, cpu_vec_isa.VecAVX512)]
+    return best[-1] if best else None
 
 
-def build_directory(flags: list[str] | None = None) -> Path:
-    """Where the kernels for these sources and flags are built: ``<torch extension root>/
-    kvledger_cpu_kernels/<hash>``, the root being ``TORCH_EXTENSIONS_DIR`` or torch's default."""
+@functools.cache
+def machine_capabilities() -> tuple[str, ...]:
+    """The capabilities this CPU (and compiler) can run, lowest first: ``()`` without AVX2."""
+    try:
+        return tuple(c for c in CAPABILITIES if _vec_isa(c) is not None)
+    except Exception as err:  # noqa: BLE001 - a private API of torch's
+        log.info("no vector ISA found for the CPU kernels (%s)", err)
+        return ()
+
+
+def namespace(capability: str) -> str:
+    """The operator namespace of ``capability``'s build (``kvledger_cpu_avx2``)."""
+    return f"kvledger_cpu_{capability}"
+
+
+def _flags(capability: str) -> tuple[list[str], int]:
+    """The compiler flags for ``capability`` on this CPU and the floats per vector they give."""
+    isa = _vec_isa(capability)
+    flags = ["-O3", "-fopenmp", f"-DKVLEDGER_OPS={namespace(capability)}"]
+    flags += [f"-D{m}" for m in isa.build_macro()] + isa.build_arch_flags().split()
+    return flags, isa.nelements(torch.float32)
+
+
+def build_directory(flags: list[str] | None = None, capability: str | None = None) -> Path:
+    """Where the kernels for these sources and flags (``capability``'s, the current one's by
+    default) are built: ``<torch extension root>/kvledger_cpu_kernels/<hash>``, the root being
+    ``TORCH_EXTENSIONS_DIR`` or torch's default."""
     from torch.utils import cpp_extension
 
     digest = hashlib.sha256()
-    for source in sorted(SOURCES + list(SOURCES[0].parent.glob("*.h"))):
+    for source in sorted(SOURCES + list(CSRC.glob("*.h"))):
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
-    key = [*(flags if flags is not None else _flags()[0]), torch.__version__, sys.version.split()[0]]
+    if flags is None:
+        flags = _flags(capability or current())[0]
+    key = [*flags, torch.__version__, sys.version.split()[0]]
     digest.update("\0".join(key).encode())
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     return Path(root) / NAME / digest.hexdigest()[:16]
@@ -113,50 +165,100 @@ def build_lock(directory: Path, wait_s: float) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _build() -> None:
+def _build(build: Build) -> None:
     from torch.utils import cpp_extension
 
-    flags, width = _flags()
+    flags, width = _flags(build.capability)
     directory = build_directory(flags)
     wait_s = float(os.environ.get(WAIT_ENV, DEFAULT_WAIT_S))
     started = time.perf_counter()
     with build_lock(directory, wait_s):
-        cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=flags, build_directory=str(directory),
-                           is_python_module=False, verbose=False)
-    log.info("kvledger CPU kernels ready in %.1f s", time.perf_counter() - started)
-    _state["width"] = width
+        cpp_extension.load(name=f"{NAME}_{build.capability}", sources=[str(s) for s in SOURCES], extra_cflags=flags,
+                           build_directory=str(directory), is_python_module=False, verbose=False)
+    log.info("kvledger CPU kernels (%s) ready in %.1f s", build.capability, time.perf_counter() - started)
+    build.width = width
+    build.ops = getattr(torch.ops, namespace(build.capability))
+
+
+def _load(capability: str) -> Build:
+    """``capability``'s build, built and loaded on the first call, or with the reason it is not."""
+    build = _builds.get(capability)
+    if build is not None:
+        return build
+    with _lock:
+        if capability in _builds:
+            return _builds[capability]
+        build = Build(capability)
+        if os.environ.get(CPU_KERNELS_ENV, "1") == "0":
+            build.reason = f"{CPU_KERNELS_ENV}=0"
+        elif capability == "default":  # ATen's name for no vector instructions
+            build.reason = f"{CAPABILITY_ENV}=default"
+        elif capability not in CAPABILITIES:
+            build.reason = f"{CAPABILITY_ENV}={capability} is not one of {', '.join(CAPABILITIES)} or default"
+        elif capability not in machine_capabilities():
+            have = ", ".join(machine_capabilities())
+            build.reason = (f"this CPU has no {capability.upper()}" + (f" (it has {have}: set {CAPABILITY_ENV} to one)"
+                                                                        if have else ""))
+        else:
+            try:
+                _build(build)
+                build.loaded = True
+            except Exception as err:  # noqa: BLE001 - no compiler, no ninja: torch's kernels instead
+                text = str(err).strip()
+                build.reason = text.splitlines()[-1] if text else type(err).__name__
+        if not build.loaded:
+            log.warning("kvledger CPU kernels (%s) not used (%s); torch's own kernels run instead", capability, build.reason)
+        _builds[capability] = build
+        return build
+
+
+def current() -> str:
+    """The capability this process runs: :func:`use`'s, else ``KVLEDGER_CPU_CAPABILITY`` (``default``:
+    none, torch's own operators), else the best the CPU has (``avx2`` names it where the CPU has
+    none: it is then not loaded, and the log says this CPU has no AVX2)."""
+    if not _current:
+        have = machine_capabilities()
+        _current.append(os.environ.get(CAPABILITY_ENV) or (have[-1] if have else "avx2"))
+    return _current[-1]
+
+
+@contextlib.contextmanager
+def use(capability: str) -> Iterator[Build]:
+    """Runs the kernels built for ``capability`` inside the block (built on entry), then the
+    previous ones. For tests and benchmarks: a model whose weights were packed for one width
+    (``pack_panels``) must not be run under the other."""
+    current()
+    _current.append(capability)
+    try:
+        yield _load(capability)
+    finally:
+        _current.pop()
 
 
 def loaded() -> bool:
-    """True once the kernels are built and loaded (built on the first call); False, with the
-    reason logged once, when they are turned off or cannot be built."""
-    if "loaded" not in _state:
-        with _lock:
-            if "loaded" not in _state:
-                if os.environ.get(CPU_KERNELS_ENV, "1") == "0":
-                    _state["reason"] = f"{CPU_KERNELS_ENV}=0"
-                    _state["loaded"] = False
-                else:
-                    try:
-                        _build()
-                        _state["loaded"] = True
-                    except Exception as err:  # noqa: BLE001 - no compiler, no ninja: torch's kernels instead
-                        text = str(err).strip()
-                        _state["reason"] = text.splitlines()[-1] if text else type(err).__name__
-                        _state["loaded"] = False
-                if not _state["loaded"]:
-                    log.warning("kvledger CPU kernels not used (%s); torch's own kernels run instead", _state["reason"])
-    return bool(_state["loaded"])
+    """True once the current capability's kernels are built and loaded (built on the first
+    call); False, with the reason logged once, when they are turned off or cannot be built."""
+    return _load(current()).loaded
+
+
+def ops() -> Any:
+    """The current capability's operators (``torch.ops.kvledger_cpu_<capability>``), loaded."""
+    build = _load(current())
+    if not build.loaded:
+        raise RuntimeError(f"kvledger CPU kernels not loaded: {build.reason}")
+    return build.ops
 
 
 def vector_width() -> int:
-    """Floats per vector register the kernels were built for (16 with AVX-512); 0 when not loaded."""
-    return int(_state["width"]) if loaded() else 0  # type: ignore[call-overload]
+    """Floats per vector register the current kernels were built for (16 with AVX-512); 0 when not loaded."""
+    build = _load(current())
+    return build.width if build.loaded else 0
 
 
 def reason() -> str | None:
-    """Why the kernels are not loaded, or None."""
-    return None if loaded() else str(_state.get("reason"))
+    """Why the current kernels are not loaded, or None."""
+    build = _load(current())
+    return None if build.loaded else build.reason
 
 
 def attention_operands(q: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

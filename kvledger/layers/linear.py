@@ -95,7 +95,7 @@ class PackedWeight:
     onednn: torch.Tensor | None
     """oneDNN's blocked copy (a bfloat16 weight's float32 values on a CPU without bfloat16 kernels)."""
     panels: torch.Tensor | None
-    """kvledger's panel layout ``[out / P, in, P]`` (``kvledger_cpu::pack_panels``), the weight's dtype."""
+    """kvledger's panel layout ``[out / P, in, P]`` (the kernels' ``pack_panels``), the weight's dtype."""
     panel_rows: int
     """Products of at most this many rows run on ``panels``."""
 
@@ -117,8 +117,8 @@ def pack_weight(weight: torch.Tensor, *, logits: bool = False) -> PackedWeight |
     w = weight.detach()
     rows = panel_rows(weight.dtype)
     panels = None
-    if rows and w.dim() == 2 and w.shape[0] % torch.ops.kvledger_cpu.panel_width() == 0:
-        panels = torch.ops.kvledger_cpu.pack_panels(w.contiguous())
+    if rows and w.dim() == 2 and w.shape[0] % cpu_kernels.ops().panel_width() == 0:
+        panels = cpu_kernels.ops().pack_panels(w.contiguous())
     if logits and panels is not None and cpu_kernels.vector_width() >= 16:  # AVX-512: PANEL_ROWS_AVX512
         return PackedWeight(None, panels, sys.maxsize)
     onednn = None
@@ -138,7 +138,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     :func:`pack_weight`'s copies of ``weight`` (used when given)."""
     if (packed is not None and packed.panels is not None and 1 <= x.shape[0] <= packed.panel_rows
             and _eager_cpu_operands(x, bias, residual) and x.dtype in cpu_kernels.KERNEL_DTYPES):
-        return torch.ops.kvledger_cpu.panel_linear(x, packed.panels, bias, residual)
+        return cpu_kernels.ops().panel_linear(x, packed.panels, bias, residual)
     onednn = None if packed is None else packed.onednn
     if onednn is not None and onednn.dtype != x.dtype:  # bfloat16 through its float32 copy
         if x.shape[0] > SMALL_BATCH_ROWS:

@@ -58,6 +58,6 @@ def paged_decode_attention(q: torch.Tensor, pools: LayerPools, block_tables: tor
     (``[B, blocks]`` int64, padded past a sequence's last block) of a layer's ``pools``
     (``[num_blocks, block_size, H_kv, d]`` and their scales). Only where :func:`supports` said so."""
     q, out = cpu_kernels.attention_operands(q, out)
-    torch.ops.kvledger_cpu.paged_decode(out, q, pools.k, pools.v, block_tables, context_lens, scale,
+    cpu_kernels.ops().paged_decode(out, q, pools.k, pools.v, block_tables, context_lens, scale,
                                         pools.k_scales, pools.v_scales, pools.k_scale, pools.v_scale)
     return out

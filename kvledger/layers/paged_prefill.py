@@ -80,5 +80,5 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     ``block_table`` (``[blocks]`` int64, from position 0) of ``k_pool``/``v_pool``
     (``[num_blocks, block_size, H_kv, d]``). Only where :func:`supports` said so."""
     q, out = cpu_kernels.attention_operands(q, out)
-    torch.ops.kvledger_cpu.paged_prefill(out, q, k_pool, v_pool, block_table.reshape(-1), num_computed, scale)
+    cpu_kernels.ops().paged_prefill(out, q, k_pool, v_pool, block_table.reshape(-1), num_computed, scale)
     return out

@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
         if (x.device.type == "cpu" and x.dtype == self.weight.dtype and x.dtype in cpu_kernels.KERNEL_DTYPES
                 and not torch.compiler.is_compiling() and cpu_kernels.loaded()):
             rows = x.reshape(-1, x.shape[-1]).contiguous()
-            return torch.ops.kvledger_cpu.rms_norm(rows, self.weight, self.eps).view(x.shape)
+            return cpu_kernels.ops().rms_norm(rows, self.weight, self.eps).view(x.shape)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused op, same formula
             return F.rms_norm(x, shape, self.weight, self.eps)
         # 16-bit: normalised in float32 (one fused op), rounded to the model dtype, then scaled

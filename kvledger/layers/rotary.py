@@ -62,7 +62,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     if (x.device.type == "cpu" and x.dim() == 3 and x.stride(-1) == 1 and x.dtype == cos.dtype == sin.dtype
             and x.dtype in cpu_kernels.KERNEL_DTYPES and not torch.compiler.is_compiling() and cpu_kernels.loaded()):
         n = x.shape[0]
-        return torch.ops.kvledger_cpu.rotary(x, cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous())
+        return cpu_kernels.ops().rotary(x, cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous())
     return x * cos + _rotate_half(x) * sin
 
 

@@ -1,7 +1,8 @@
 // What kvledger's CPU kernels share: float32 vectors of ATen's (16 lanes with AVX-512, 8 with
 // AVX2), loading one vector's worth of float32 or bfloat16 values as float32, storing one as
 // either, and rounding one as storing it to a dtype and loading it back would. The decode kernel
-// also loads the 8-bit caches' elements: int8, and fp8 bytes (E4M3, E5M2) widened exactly.
+// also loads the 8-bit caches' elements: int8, and fp8 bytes (E4M3, E5M2) widened exactly. Built
+// for AVX2 or AVX-512 only (library.h): a CPU without AVX2 runs torch's own operators.
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
@@ -31,10 +32,6 @@ inline Vec load_floats(const int8_t* p) {
   return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
 #elif defined(CPU_CAPABILITY_AVX2)
   return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
-#else
-  float f[Vec::size()];
-  for (int64_t i = 0; i < Vec::size(); ++i) f[i] = static_cast<float>(p[i]);
-  return Vec::loadu(f);
 #endif
 }
 
@@ -78,11 +75,6 @@ inline Vec load_fp8(const F* p) {
                      _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
   }
   return Vec(_mm256_cvtph_ps(h));
-#else
-  float f[Vec::size()];
-  for (int64_t i = 0; i < Vec::size(); ++i)
-    f[i] = static_cast<float>(c10::Half(F::half_bits(bytes[i]), c10::Half::from_bits()));
-  return Vec::loadu(f);
 #endif
 }
 

@@ -41,7 +41,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -52,6 +51,7 @@
 #include <vector>
 
 #include "float_vec.h"
+#include "library.h"
 
 namespace {
 
@@ -508,10 +508,4 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_pool,
 
 }  // namespace
 
-TORCH_LIBRARY(kvledger_cpu, m) {
-  m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
-        "Tensor context_lens, float scale, Tensor? k_scales=None, Tensor? v_scales=None, float k_scale=1.0, "
-        "float v_scale=1.0) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
+KVLEDGER_IMPL(m) { m.impl("paged_decode", &paged_decode); }

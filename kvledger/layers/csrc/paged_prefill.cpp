@@ -27,7 +27,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/Utils.h>
 #include <ATen/native/CPUBlas.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -38,6 +37,7 @@
 #include <vector>
 
 #include "float_vec.h"
+#include "library.h"
 
 namespace {
 
@@ -518,9 +518,4 @@ void paged_prefill(at::Tensor out, const at::Tensor& q, const at::Tensor& k_pool
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(kvledger_cpu, m) {
-  m.def("paged_prefill(Tensor(a!) out, Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_table, "
-        "int num_computed, float scale) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) { m.impl("paged_prefill", &paged_prefill); }
+KVLEDGER_IMPL(m) { m.impl("paged_prefill", &paged_prefill); }

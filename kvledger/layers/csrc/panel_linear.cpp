@@ -25,7 +25,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <array>
@@ -35,6 +34,7 @@
 #include <vector>
 
 #include "float_vec.h"
+#include "library.h"
 
 namespace {
 
@@ -65,14 +65,6 @@ inline Raw raw_broadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline Raw raw_fmadd(Raw a, Raw b, Raw c) { return _mm256_fmadd_ps(a, b, c); }
 inline Raw raw_zero() { return _mm256_setzero_ps(); }
 inline void raw_store(float* p, Raw v) { _mm256_storeu_ps(p, v); }
-#else
-using Raw = Vec;
-template <typename T>
-inline Raw raw_load(const T* p) { return load_floats(p); }
-inline Raw raw_broadcast(const float* p) { return Vec(*p); }
-inline Raw raw_fmadd(Raw a, Raw b, Raw c) { return at::vec::fmadd(a, b, c); }
-inline Raw raw_zero() { return Vec(0.f); }
-inline void raw_store(float* p, Raw v) { v.store(p); }
 #endif
 
 // out[r][0..P) = sum_k x[k][r] * panel[k][0..P) for the R rows of one group; x is [K][M]
@@ -158,8 +150,6 @@ at::Tensor pack_panels(const at::Tensor& weight) {
   return weight.reshape({N / kPanel, kPanel, K}).transpose(1, 2).contiguous();
 }
 
-int64_t panel_width() { return kPanel; }
-
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1, "panel_linear: x must be a contiguous [M, K]");
@@ -182,13 +172,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(kvledger_cpu, m) {
-  m.def("pack_panels(Tensor weight) -> Tensor");
-  m.def("panel_width() -> int", &panel_width);
-  m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, Tensor? residual) -> Tensor");
-}
+int64_t kvledger_cpu::panel_width() { return kPanel; }
 
-TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) {
+KVLEDGER_IMPL(m) {
   m.impl("pack_panels", &pack_panels);
   m.impl("panel_linear", &panel_linear);
 }

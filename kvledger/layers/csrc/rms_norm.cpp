@@ -9,12 +9,12 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
 
 #include "float_vec.h"
+#include "library.h"
 
 namespace {
 
@@ -70,6 +70,4 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(kvledger_cpu, m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor"); }
-
-TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) { m.impl("rms_norm", &rms_norm); }
+KVLEDGER_IMPL(m) { m.impl("rms_norm", &rms_norm); }

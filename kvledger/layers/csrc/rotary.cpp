@@ -10,11 +10,11 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cstdint>
 
 #include "float_vec.h"
+#include "library.h"
 
 #pragma GCC optimize("fp-contract=off")  // products rounded before the sum, as torch's operators
 
@@ -82,6 +82,4 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(kvledger_cpu, m) { m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor"); }
-
-TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) { m.impl("rotary", &rotary); }
+KVLEDGER_IMPL(m) { m.impl("rotary", &rotary); }

@@ -9,12 +9,12 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
 
 #include "float_vec.h"
+#include "library.h"
 
 namespace {
 
@@ -64,6 +64,4 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(kvledger_cpu, m) { m.def("silu_and_mul(Tensor gate_up) -> Tensor"); }
-
-TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) { m.impl("silu_and_mul", &silu_and_mul); }
+KVLEDGER_IMPL(m) { m.impl("silu_and_mul", &silu_and_mul); }
