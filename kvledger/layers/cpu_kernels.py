@@ -16,9 +16,9 @@ Six kernels, each where torch's general ones leave this CPU idle:
 
 They are compiled with the C++ compiler that ``torch.compile`` needs too
 (``torch.utils.cpp_extension``), in about a minute on two cores, once per *capability*: the vector
-instructions they are built for, ``avx2`` (8 floats a vector) or ``avx512`` (16; with this CPU's
-AVX-512 extras, BF16 and VNNI, where inductor finds them). The process runs the best capability
-the CPU has, or the one ``KVLEDGER_CPU_CAPABILITY`` names (``avx2`` on an AVX-512 machine runs the
+instructions they are built for, ``avx2`` (8 floats a vector) or ``avx512`` (16; with AVX-512's
+BF16 conversions where the CPU has them). The process runs the best capability the CPU has (as
+torch's cpuinfo reads it), or the one ``KVLEDGER_CPU_CAPABILITY`` names (``avx2`` on an AVX-512 machine runs the
 code an AVX2-only one runs, as ``ATEN_CPU_CAPABILITY`` does for ATen's kernels); :func:`use`
 switches it, and the tests run every kernel under every capability the machine has
 (:func:`machine_capabilities`). Each build registers its operators in its own namespace
@@ -88,27 +88,25 @@ _builds: dict[str, Build] = {}
 _current: list[str] = []  # the capability the process runs, chosen on first use
 
 
-def _vec_isa(capability: str) -> Any:
-    """inductor's vector ISA for ``capability`` on this CPU (its flags and macros), or None where
-    the CPU or the compiler lacks it: AVX2 itself, or the best of the AVX-512 family (with BF16,
-    VNNI and AMX where this CPU has them)."""
-    from torch._inductor import cpu_vec_isa
+ARCH_FLAGS = {
+    "avx2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"],
+}
+"""Each capability's macro (ATen's vector types follow it) and instruction flags, as inductor
+builds its own kernels for them; AVX-512 adds BF16's conversions where the CPU has them."""
+FLOATS_PER_VECTOR = {"avx2": 8, "avx512": 16}
 
-    if capability == "avx2":
-        isa = cpu_vec_isa.VecAVX2()
-        return isa if isa in cpu_vec_isa.valid_vec_isa_list() else None
-    best = [isa for isa in cpu_vec_isa.valid_vec_isa_list() if isinstance(isa, cpu_vec_isa.VecAVX512)]
-    return best[-1] if best else None
+
+def _cpu_has(capability: str) -> bool:
+    """Whether this CPU (and its OS) runs ``capability``, as torch's cpuinfo reads it in-process
+    (inductor's own check compiles and loads a probe in a subprocess: seconds per process)."""
+    return bool(torch.cpu._is_avx2_supported() if capability == "avx2" else torch.cpu._is_avx512_supported())
 
 
 @functools.cache
 def machine_capabilities() -> tuple[str, ...]:
-    """The capabilities this CPU (and compiler) can run, lowest first: ``()`` without AVX2."""
-    try:
-        return tuple(c for c in CAPABILITIES if _vec_isa(c) is not None)
-    except Exception as err:  # noqa: BLE001 - a private API of torch's
-        log.info("no vector ISA found for the CPU kernels (%s)", err)
-        return ()
+    """The capabilities this CPU can run, lowest first: ``()`` without AVX2."""
+    return tuple(c for c in CAPABILITIES if _cpu_has(c))
 
 
 def namespace(capability: str) -> str:
@@ -118,10 +116,10 @@ def namespace(capability: str) -> str:
 
 def _flags(capability: str) -> tuple[list[str], int]:
     """The compiler flags for ``capability`` on this CPU and the floats per vector they give."""
-    isa = _vec_isa(capability)
-    flags = ["-O3", "-fopenmp", f"-DKVLEDGER_OPS={namespace(capability)}"]
-    flags += [f"-D{m}" for m in isa.build_macro()] + isa.build_arch_flags().split()
-    return flags, isa.nelements(torch.float32)
+    flags = ["-O3", "-fopenmp", f"-DKVLEDGER_OPS={namespace(capability)}", *ARCH_FLAGS[capability]]
+    if capability == "avx512" and torch.cpu._is_avx512_bf16_supported():
+        flags.append("-mavx512bf16")
+    return flags, FLOATS_PER_VECTOR[capability]
 
 
 def build_directory(flags: list[str] | None = None, capability: str | None = None) -> Path:
@@ -214,11 +212,14 @@ def _load(capability: str) -> Build:
 
 def current() -> str:
     """The capability this process runs: :func:`use`'s, else ``KVLEDGER_CPU_CAPABILITY`` (``default``:
-    none, torch's own operators), else the best the CPU has (``avx2`` names it where the CPU has
+    none, torch's own operators), else ``ATEN_CPU_CAPABILITY`` where it names one (torch's own
+    kernels then run the same instructions), else the best the CPU has (``avx2`` names it where the CPU has
     none: it is then not loaded, and the log says this CPU has no AVX2)."""
     if not _current:
         have = machine_capabilities()
-        _current.append(os.environ.get(CAPABILITY_ENV) or (have[-1] if have else "avx2"))
+        aten = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+        aten = aten if aten in (*CAPABILITIES, "default") else ""
+        _current.append(os.environ.get(CAPABILITY_ENV) or aten or (have[-1] if have else "avx2"))
     return _current[-1]
 
 
