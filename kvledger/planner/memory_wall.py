@@ -37,7 +37,7 @@ from typing import Callable
 from kvledger.errors import KVLedgerError
 from kvledger.planner.gpus import GPU, kv_dtype_warning
 from kvledger.spec import ModelSpec, kv_bytes
-from kvledger.spec.weights import model_dtype, weight_bytes_breakdown, MODEL_DTYPES
+from kvledger.spec.weights import MODEL_DTYPES, WeightBytes, model_dtype, weight_bytes_breakdown
 from kvledger.units import GiB, MiB
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -343,7 +343,9 @@ def plan_memory(
     act_bytes = MODEL_DTYPES[unq]
     kvb = kv_bytes(spec, kv_cache_dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp, model_dtype=unq)
     warning = kv_dtype_warning(gpu, kvb.kv_cache_dtype)
-    parts = weight_bytes_breakdown(spec, weights_dtype, dtype=dtype, quantization=quantization)
+    parts_at = partial(weight_bytes_breakdown, spec, weights_dtype, dtype=dtype, quantization=quantization,
+                       compute_capability=gpu.compute_capability)  # mxfp4 experts as the card's kernel holds them
+    parts = parts_at(tensor_parallel_size=tp)
     all_weights = parts.total
     # --overhead is the chapter's whole bill beside the checkpoint's tensors: the rotary table is in it
     weights = parts.per_rank(spec.num_layers, layers, tp, first_stage=pp == 1, last_stage=True,
@@ -362,7 +364,7 @@ def plan_memory(
     else:
         pool = requested - weights - terms.total
         if pool <= 0:
-            fits = _fitting_tp(spec, kv_cache_dtype, block_size, parts, layers, pp, requested, tp, overheads_at, unq)
+            fits = _fitting_tp(spec, kv_cache_dtype, block_size, parts_at, layers, pp, requested, tp, overheads_at, unq)
             raise KVLedgerError(_does_not_fit(spec, gpu, weights, terms.total, requested, tp, gpu_memory_utilization,
                                               weights_dtype, fits))
     blocks = kvb.num_blocks(pool, block_size)  # vLLM's count
@@ -401,11 +403,12 @@ def plan_memory(
     )
 
 
-def _fitting_tp(spec: ModelSpec, kv_cache_dtype: str, block_size: int, parts, layers: int, pp: int, requested: int,
-                tp: int, overheads_at: Callable[[int], Overheads], unq: str) -> int | None:
+def _fitting_tp(spec: ModelSpec, kv_cache_dtype: str, block_size: int, parts_at: Callable[..., WeightBytes],
+                layers: int, pp: int, requested: int, tp: int, overheads_at: Callable[[int], Overheads],
+                unq: str) -> int | None:
     """The smallest tensor-parallel size above ``tp`` whose ranks split the heads and leave a KV
-    pool of at least one block, with ``overheads_at(size)`` as the overhead there; ``None`` when
-    none does."""
+    pool of at least one block, with ``parts_at(tensor_parallel_size=size)`` as the weights and
+    ``overheads_at(size)`` as the overhead there; ``None`` when none does."""
     for size in TP_HINT_SIZES:
         if size <= tp:
             continue
@@ -413,7 +416,8 @@ def _fitting_tp(spec: ModelSpec, kv_cache_dtype: str, block_size: int, parts, la
             kvb = kv_bytes(spec, kv_cache_dtype, tensor_parallel_size=size, pipeline_parallel_size=pp, model_dtype=unq)
         except KVLedgerError:  # the heads do not split over this many ranks
             continue
-        weights = parts.per_rank(spec.num_layers, layers, size, first_stage=pp == 1, last_stage=True)
+        weights = parts_at(tensor_parallel_size=size).per_rank(spec.num_layers, layers, size, first_stage=pp == 1,
+                                                                last_stage=True)
         pool = requested - weights - overheads_at(size).total
         if kvb.num_blocks(pool, block_size) > 0:
             return size
