@@ -107,9 +107,8 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     """Every number of the plan, as one JSON-ready dict (plus private objects under ``_``)."""
     from kvledger.errors import KVLedgerError
     from kvledger.planner import bandwidth as bw
-    from kvledger.planner.memory_wall import (CONTEXTS, check_max_model_len, max_fitting_length, plan_memory,
-                                              request_held_bytes, sequence_blocks, useful_work, users_at,
-                                              verdict)
+    from kvledger.planner.memory_wall import (CONTEXTS, check_max_model_len, max_concurrency, max_fitting_length,
+                                              plan_memory, request_held_bytes, useful_work, users_at, verdict)
 
     if args.users is not None and args.context is None:
         args.context = CROSSOVER_CONTEXT  # the default --help promises
@@ -158,7 +157,7 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     max_len = args.max_model_len or model_max
     if max_len:
         out["max_model_len"] = max_len
-        out["max_concurrency"] = wall.num_blocks / sequence_blocks(spec, wall, max_len)
+        out["max_concurrency"] = max_concurrency(spec, wall, max_len)
     if args.users:
         kv = bw.kv_read_bytes(spec, wall.kv_cache_dtype, args.users, args.context, wall.tensor_parallel_size)
         step = bw.decode_step(bw.weight_bytes_read_per_step(wall, args.users), kv, args.users, args.context, bandwidth)

@@ -448,15 +448,21 @@ def sequence_blocks(spec: ModelSpec, wall: MemoryWall, tokens: int) -> int:
     pages = math.ceil(tokens / wall.block_size)
     if not wall.num_sliding_layers or not wall.sliding_window:
         return pages
+    window_pages = min(pages, math.ceil(wall.sliding_window / wall.block_size) + 1)
+    full_groups, sliding_groups = _page_groups(spec, wall)
+    return math.ceil((full_groups * pages + sliding_groups * window_pages) / (full_groups + sliding_groups))
+
+
+def _page_groups(spec: ModelSpec, wall: MemoryWall) -> tuple[int, int]:
+    """(full-attention groups, sliding groups) of vLLM's hybrid allocator: layers grouped by the
+    smaller of the two kinds' counts (every layer slides: (0, 1))."""
     kvb = kv_bytes(spec, wall.kv_cache_dtype, tensor_parallel_size=wall.tensor_parallel_size,
                    pipeline_parallel_size=wall.pipeline_parallel_size, model_dtype=wall.dtype)
     num_full = kvb.num_layers - kvb.num_sliding_layers
-    window_pages = min(pages, math.ceil(wall.sliding_window / wall.block_size) + 1)
-    if not num_full:  # every layer slides: one kind of page
-        return window_pages
+    if not num_full:
+        return 0, 1
     group = min(num_full, kvb.num_sliding_layers)
-    full_groups, sliding_groups = math.ceil(num_full / group), math.ceil(kvb.num_sliding_layers / group)
-    return math.ceil((full_groups * pages + sliding_groups * window_pages) / (full_groups + sliding_groups))
+    return math.ceil(num_full / group), math.ceil(kvb.num_sliding_layers / group)
 
 
 def request_held_bytes(spec: ModelSpec, wall: MemoryWall, tokens: int) -> int:
@@ -475,6 +481,22 @@ def users_at(spec: ModelSpec, wall: MemoryWall, tokens: int, shared_prefix: int 
     shared_blocks = shared_prefix // wall.block_size
     per_sequence = sequence_blocks(spec, wall, tokens) - shared_blocks
     return max(0, (wall.num_blocks - shared_blocks) // max(per_sequence, 1))
+
+
+def max_concurrency(spec: ModelSpec, wall: MemoryWall, tokens: int) -> float:
+    """vLLM's "Maximum concurrency for ``tokens`` tokens per request" (times, fractional as it
+    prints it): the pool's blocks over the most one such request may hold. For a full-attention
+    model that is ``ceil(tokens / block_size)``. A sliding group is counted, as vLLM 0.19's
+    ``SlidingWindowSpec.max_memory_usage_bytes`` counts it, at its worst during chunked prefill:
+    the window less one plus a whole ``max_num_batched_tokens`` chunk, at most ``tokens``, plus
+    one block, not the window it keeps once decoding (``sequence_blocks``)."""
+    pages = math.ceil(tokens / wall.block_size)
+    if not wall.num_sliding_layers or not wall.sliding_window:
+        return wall.num_blocks / pages
+    worst = min(wall.sliding_window - 1 + wall.max_num_batched_tokens, tokens)
+    window_pages = math.ceil(worst / wall.block_size) + 1
+    full_groups, sliding_groups = _page_groups(spec, wall)
+    return wall.num_blocks * (full_groups + sliding_groups) / (full_groups * pages + sliding_groups * window_pages)
 
 
 def max_fitting_length(spec: ModelSpec, wall: MemoryWall) -> int | None:
