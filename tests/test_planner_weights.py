@@ -66,3 +66,20 @@ def test_gpt_oss_120b_at_its_context_on_one_h100_is_not_a_pass():
     wall = plan_memory(spec, get_gpu("h100-80gb"), gpu_memory_utilization=0.9)
     assert wall.weights_bytes / GiB == pytest.approx(65.52, abs=0.01)
     assert verdict(spec, wall, max_model_len=131_072).verdict != "fits"
+
+
+def test_llama_4_scout_fp8_dynamic_keeps_its_ignored_attention_in_bf16():
+    """RedHatAI's FP8-dynamic Scout quantizes the experts, the shared expert and the dense MLPs to
+    one byte per weight (a float32 scale per output channel) and lists every layer's q/k/v/o
+    projections, the routers, the vision tower and lm_head in its ``ignore``: those stay bfloat16.
+    Attention: 48 x (2 x 5,120 x 5,120 + 2 x 5,120 x 1,024) = 3,019,898,880 parameters at 2 bytes.
+    (The routers, 48 x 5,120 x 16 = 3.9 M parameters, are counted with the MLPs at one byte.)"""
+    from kvledger.spec import weights_bytes
+    from kvledger.spec.weights import count_params
+
+    spec = load_model_spec("llama-4-scout-17b-16e-instruct-fp8-dynamic")
+    p = count_params(spec)
+    assert p.attention == 48 * (2 * 5120 * 5120 + 2 * 5120 * 1024) == 3_019_898_880
+    fp8 = (p.linear - p.attention) * (1 + 4 / 5120)
+    bf16 = (p.attention + p.embedding + p.lm_head + p.norm + p.vision) * 2
+    assert weights_bytes(spec) == pytest.approx(fp8 + bf16, abs=64)

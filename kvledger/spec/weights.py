@@ -435,9 +435,22 @@ def _checkpoint_linear_bytes(spec: ModelSpec, params: ParamCount, s: int) -> tup
         scales = 2 / group if group else 4 / spec.hidden_size  # float16 per group, or float32 per channel
         ignore = [str(x) for x in (q.get("ignore") or [])]
         head_quantized = params.lm_head > 0 and not any("lm_head" in x for x in ignore)
-        return params.linear * (bits / 8 + scales), head_quantized
+        kept = params.attention * _ignored_attention_share(spec, ignore)  # stays in the model dtype
+        return (params.linear - kept) * (bits / 8 + scales) + kept * s, head_quantized
     raise KVLedgerError(f"{spec.name}: quantization_config quant_method {method!r} is not counted; the planner "
                         f"knows {', '.join(CHECKPOINT_QUANT_METHODS)}; give --weights-dtype for an estimate")
+
+
+def _ignored_attention_share(spec: ModelSpec, ignore: list[str]) -> float:
+    """The share of the decoder's attention projections a compressed-tensors ``ignore`` list keeps
+    unquantized: each text layer's ``self_attn.{q,k,v,o}_proj`` named in it (RedHatAI's Llama-4
+    FP8-dynamic lists all 48 x 4), or all of them for a ``re:`` pattern naming ``self_attn``;
+    vision-tower entries do not count."""
+    if any(x.startswith("re:") and "self_attn" in x and "vision" not in x for x in ignore):
+        return 1.0
+    names = [x for x in ignore if "vision" not in x and x.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj")
+             and "self_attn" in x]
+    return min(1.0, len(names) / (4 * spec.num_layers)) if spec.num_layers else 0.0
 
 
 def weights_bytes(spec: ModelSpec, weights_dtype: str | None = None, *, dtype: str | None = None,
