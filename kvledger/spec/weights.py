@@ -262,6 +262,10 @@ def mxfp4_expert_bytes(spec: ModelSpec, tensor_parallel_size: int = 1, backend: 
       the same sizes, biases float32;
     * ``checkpoint``: the stored tensors, 4.25 bits per parameter (biases included).
 
+    These are vLLM 0.19's rules, with the ``triton_kernels`` it bundles. Later releases free the
+    loaded scales once swizzled (vLLM 0.32's mxfp4 method says so) and take the Hopper layout
+    from the separately installed ``triton_kernels``, whose padding changed between versions.
+
     On gpt-oss-20b (24 layers of 32 experts, H = I = 2,880) at TP 1 that is 10,155,870,720 bytes
     stored and 11,010,539,520 on an H100 (Triton). Bytes."""
     if backend not in MXFP4_BACKENDS:
