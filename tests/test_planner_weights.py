@@ -49,16 +49,6 @@ def test_gpt_oss_weights_within_one_percent_of_vllm_0_19(model, tp, logged):
     assert wall.weights_bytes > stored * 1.05
 
 
-def test_gpt_oss_120b_in_marlin_layout_matches_the_earlier_public_report():
-    """Issue 36 cites a public start-up of an earlier vLLM that printed 65.97 GiB of gpt-oss-120b
-    weights on one H100. vLLM before the bundled triton_kernels (0.10.x, with torch below 2.8, as in
-    github.com/vllm-project/vllm/issues/23278: 0.10.1, torch 2.7.1, H100) falls back to Marlin on
-    Hopper; vLLM 0.19 uses the same Marlin layout on SM 8.x."""
-    spec = load_model_spec("gpt-oss-120b")
-    marlin = weight_bytes_breakdown(spec, compute_capability="8.0").per_rank(spec.num_layers, spec.num_layers, 1)
-    assert marlin / GiB == pytest.approx(65.97, rel=0.005)
-
-
 def test_gpt_oss_120b_at_its_context_on_one_h100_is_not_a_pass():
     """The issue's false pass: at 131,072 tokens and utilization 0.9 one H100 holds 65.5 GiB of
     weights and 2.2 GiB of KV cache, less than the 4.5 GiB one request needs."""
@@ -83,3 +73,19 @@ def test_llama_4_scout_fp8_dynamic_keeps_its_ignored_attention_in_bf16():
     fp8 = (p.linear - p.attention) * (1 + 4 / 5120)
     bf16 = (p.attention + p.embedding + p.lm_head + p.norm + p.vision) * 2
     assert weights_bytes(spec) == pytest.approx(fp8 + bf16, abs=64)
+
+
+@pytest.mark.parametrize("backend, align, logged, source", [
+    ("marlin", 64, 65.9651, "vLLM 0.10.1, torch 2.7.1 (Marlin on Hopper), H100: github.com/vllm-project/vllm/issues/23278"),
+    ("triton", 1, 64.38, "vLLM 0.14.1, 'Using Triton backend', H100: github.com/vllm-project/vllm/issues/33155"),
+])
+def test_gpt_oss_120b_weights_of_earlier_vllm_releases(backend, align, logged, source):
+    """The same arithmetic reproduces the two public gpt-oss-120b start-ups of earlier releases to
+    0.1%: 0.10.1 fell back to Marlin on an H100 (its Triton path wanted torch 2.8); 0.14.1 used
+    Triton with the earlier Hopper value layout (whole tiles only). Non-expert tensors as counted
+    for vLLM 0.19 (bf16, the float32 rotary table)."""
+    spec = load_model_spec("gpt-oss-120b")
+    parts = weight_bytes_breakdown(spec, compute_capability="9.0")
+    rest = parts.per_rank(spec.num_layers, spec.num_layers, 1) - parts.experts
+    total = rest + mxfp4_expert_bytes(spec, 1, backend, hopper_value_align=align)
+    assert total / GiB == pytest.approx(logged, rel=0.002), source

@@ -245,7 +245,8 @@ def mxfp4_moe_backend(compute_capability: str | None) -> str:
     return "marlin"
 
 
-def mxfp4_expert_bytes(spec: ModelSpec, tensor_parallel_size: int = 1, backend: str = "checkpoint") -> int:
+def mxfp4_expert_bytes(spec: ModelSpec, tensor_parallel_size: int = 1, backend: str = "checkpoint",
+                       hopper_value_align: int = 64) -> int:
     """Bytes of the routed experts of every MoE layer on one tensor-parallel rank, as vLLM 0.19's
     mxfp4 method holds them after loading. Per expert it creates ``w13`` (2 x I x H/2 bytes: two
     4-bit values a byte), ``w2`` (H x I/2), their e8m0 scales (one byte per 32 values) and, for
@@ -262,9 +263,13 @@ def mxfp4_expert_bytes(spec: ModelSpec, tensor_parallel_size: int = 1, backend: 
       the same sizes, biases float32;
     * ``checkpoint``: the stored tensors, 4.25 bits per parameter (biases included).
 
-    These are vLLM 0.19's rules, with the ``triton_kernels`` it bundles. Later releases free the
-    loaded scales once swizzled (vLLM 0.32's mxfp4 method says so) and take the Hopper layout
-    from the separately installed ``triton_kernels``, whose padding changed between versions.
+    These are vLLM 0.19's rules, with the ``triton_kernels`` it bundles. ``hopper_value_align``
+    is that library's padding of the swizzled values: 64 in the copy vLLM 0.19 bundles; 1 for the
+    earlier Hopper layout (vLLM 0.14), which pads only to whole swizzle tiles (16 rows of 32
+    bytes): vLLM 0.14.1 printed 64.38 GiB for gpt-oss-120b on an H100
+    (github.com/vllm-project/vllm/issues/33155), this count with 1 gives 64.33. Later releases
+    free the loaded scales once swizzled (vLLM 0.32's mxfp4 method says so) and take the layout
+    from a separately installed ``triton_kernels``.
 
     On gpt-oss-20b (24 layers of 32 experts, H = I = 2,880) at TP 1 that is 10,155,870,720 bytes
     stored and 11,010,539,520 on an H100 (Triton). Bytes."""
@@ -288,8 +293,9 @@ def mxfp4_expert_bytes(spec: ModelSpec, tensor_parallel_size: int = 1, backend: 
     scales = 2 * i * (h // MXFP4_BLOCK) + h * (i // MXFP4_BLOCK)
     bias_elements = (2 * i + h) if biased else 0
     if backend == "triton":
-        values = (_round_up(h // 2, 64) * _round_up(2 * i, 64)      # w13, reduction over H
-                  + _round_up(i // 2, 64) * _round_up(h, 64))       # w2, reduction over I
+        k_align, n_align = max(hopper_value_align, 32), max(hopper_value_align, 16)
+        values = (_round_up(h // 2, k_align) * _round_up(2 * i, n_align)      # w13, reduction over H
+                  + _round_up(i // 2, k_align) * _round_up(h, n_align))       # w2, reduction over I
         swizzled = (_round_up(2 * i, 256) * _round_up(h // MXFP4_BLOCK, 2)
                     + _round_up(h, 256) * _round_up(i // MXFP4_BLOCK, 2))
         per_expert = values + scales + swizzled + 4 * bias_elements
