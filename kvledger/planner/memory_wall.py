@@ -521,6 +521,40 @@ def max_fitting_length(spec: ModelSpec, wall: MemoryWall) -> int | None:
     return lo
 
 
+def startup_request_bytes(spec: ModelSpec, wall: MemoryWall, tokens: int) -> int:
+    """The KV memory vLLM 0.19 requires at start-up for one ``tokens``-token request
+    (``check_enough_kv_cache_memory``: every layer's ``max_memory_usage_bytes``), bytes per rank.
+    A full layer needs ``ceil(tokens / block_size)`` blocks. A sliding layer is counted at its
+    worst during chunked prefill, not at the window it keeps once decoding: ``min(window - 1 +
+    max_num_batched_tokens, tokens)`` tokens plus one block. For Gemma-3-27B at 131,072 tokens on
+    an H100 (52 of 62 layers slide over 1,024) that is 13.7 GiB where the decoding window needs
+    10.4 GiB: a pool between the two starts in no vLLM, though the window fits."""
+    kvb = kv_bytes(spec, wall.kv_cache_dtype, tensor_parallel_size=wall.tensor_parallel_size,
+                   pipeline_parallel_size=wall.pipeline_parallel_size, model_dtype=wall.dtype)
+    layer_block = wall.block_size * ((kvb.bytes_per_token + kvb.scale_bytes_per_token) // kvb.num_layers)
+    pages = math.ceil(tokens / wall.block_size)
+    num_sliding = kvb.num_sliding_layers if wall.sliding_window else 0
+    worst = pages
+    if num_sliding:
+        worst = math.ceil(min(wall.sliding_window - 1 + wall.max_num_batched_tokens, tokens) / wall.block_size) + 1
+    return ((kvb.num_layers - num_sliding) * pages + num_sliding * worst) * layer_block
+
+
+def startup_max_model_len(spec: ModelSpec, wall: MemoryWall) -> int:
+    """vLLM's "estimated maximum model length" in its start-up refusal: the longest request whose
+    ``startup_request_bytes`` the pool holds, at most the model's context (tokens). Equal to
+    ``max_fitting_length`` for a model without sliding layers."""
+    hi = spec.max_position_embeddings or wall.kv_tokens * spec.num_layers
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if startup_request_bytes(spec, wall, mid) <= wall.num_blocks * wall.block_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def check_max_model_len(spec: ModelSpec, wall: MemoryWall, max_model_len: int) -> str | None:
     """``None`` when one ``max_model_len`` sequence can run, else vLLM's start-up error, with numbers:
     longer than the model's context (``max_position_embeddings``), or more than the pool holds."""
@@ -530,12 +564,12 @@ def check_max_model_len(spec: ModelSpec, wall: MemoryWall, max_model_len: int) -
                 f"= {model_max:,} in {spec.name}'s config; vLLM refuses it (unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, "
                 "at the risk of wrong outputs); lower --max-model-len")
     need = sequence_blocks(spec, wall, max_model_len)
-    if need <= wall.num_blocks:
+    need_bytes = max(need * wall.block_bytes, startup_request_bytes(spec, wall, max_model_len))
+    if need_bytes <= wall.num_blocks * wall.block_bytes:
         return None
-    need_bytes = need * wall.block_bytes
     return (f"to serve at least one request with max_model_len ({max_model_len:,}), {need_bytes / GiB:.2f} GiB KV cache "
             f"is needed, which is larger than the available KV cache memory ({wall.kv_pool_bytes / GiB:.2f} GiB); "
-            f"based on the available memory, the estimated maximum model length is {max_fitting_length(spec, wall):,}; "
+            f"based on the available memory, the estimated maximum model length is {startup_max_model_len(spec, wall):,}; "
             "try increasing --gpu-memory-utilization or decreasing --max-model-len")
 
 
@@ -582,8 +616,9 @@ def verdict(spec: ModelSpec, wall: MemoryWall, max_model_len: int | None = None,
     what = ""
     if users and context:
         need, what = users * sequence_blocks(spec, wall, context), f"{users} x {context:,}-token users"
-    if max_model_len:
-        one = sequence_blocks(spec, wall, max_model_len)
+    if max_model_len:  # vLLM's start-up requirement: sliding layers at their prefill worst case
+        one = max(sequence_blocks(spec, wall, max_model_len),
+                  math.ceil(startup_request_bytes(spec, wall, max_model_len) / wall.block_bytes))
         if one > need:
             need, what = one, f"one {max_model_len:,}-token sequence (max_model_len)"
     per_point = int(wall.total_bytes * 0.01) // wall.block_bytes * wall.block_size  # tokens per +0.01 utilization
