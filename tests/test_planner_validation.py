@@ -108,6 +108,16 @@ def test_every_number_a_log_prints_is_compared_and_weights_hold_within_one_perce
     assert worst["kv_memory"] <= 0.03 and worst["kv_tokens"] <= 0.03 and worst["max_concurrency"] <= 0.03
 
 
+def test_no_term_gets_worse_on_any_row(checks):
+    """Each column's error on every planned row (failed runs included) within its bar."""
+    from kvledger.planner.validation import ERROR_BARS, error_table
+
+    for row in error_table(checks):
+        for column, bar in ERROR_BARS.items():
+            if column in row:
+                assert abs(row[column]) <= bar, (row["model"], row["flags"], column, row[column])
+
+
 def test_gpt_oss_weights_to_the_byte_against_the_v0_19_logs(checks):
     """13.64 GiB at TP 1 (the run vLLM could not finish starting) and 7.01 GiB at TP 2: the
     checkpoint's count gave 12.82 and 6.42 (-6%, -8%)."""

@@ -22,9 +22,9 @@ tensor bytes) is the truth for the checkpoint as stored; every part is scaled by
 ``total_size / computed`` so the split across ranks and stages keeps that total. Where vLLM
 holds more than the checkpoint, the planner names the device: mxfp4 experts are re-laid out
 for the MoE kernel vLLM picks on that card (``mxfp4_moe_backend``, ``mxfp4_expert_bytes``:
-padded sizes, swizzled copies, float32 biases), 6.4% above the checkpoint for gpt-oss-20b on
-an H100. Without a device the count is the checkpoint's. vLLM also holds, on every rank, its rotary cos/sin table
-(``rope_cache_bytes``), which no checkpoint stores: 32 MiB for Llama 3.1's 131,072 positions,
+padded sizes, swizzled copies, float32 biases), 6% above the checkpoint for gpt-oss-20b on an
+H100. Without a device the count is the checkpoint's. vLLM also holds, on every rank, its
+rotary cos/sin table (``rope_cache_bytes``), which no checkpoint stores: 32 MiB for Llama 3.1's 131,072 positions,
 2.5 GiB for Llama 4's 10,485,760. The per-rank weights the planner subtracts include it (as
 vLLM's "Model loading took" does); ``total`` (the checkpoint) does not. Sizes are parameters
 (counts) or bytes as named.
