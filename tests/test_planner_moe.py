@@ -34,8 +34,10 @@ def test_gpt_oss_120b_at_batch_1_reads_dense_attention_four_experts_and_kv():
     expected = attention + dense + four_experts + kv
     step = bw.weight_bytes_read_per_step(wall, 1) + bw.kv_read_bytes(spec, "auto", 1, 8192)
     assert step == pytest.approx(expected, rel=0.10)
-    assert step < 0.1 * wall.weights_bytes  # not the 61 GiB of weights
-    assert 55 * GiB < wall.weights_bytes < 65 * GiB
+    assert step < 0.1 * wall.weights_bytes  # not the 65 GiB of weights
+    # 60.7 GiB as the checkpoint stores them; 65.5 GiB as vLLM 0.19's Triton MoE kernel holds them on
+    # an H100 (test_planner_validation: mxfp4 experts to the byte)
+    assert 60 * GiB < wall.weights_bytes < 66 * GiB
     # a big batch touches every expert: every weight is read once
     assert bw.weight_bytes_read_per_step(wall, 4096) == pytest.approx(wall.weights_bytes, rel=0.001)
 
@@ -43,7 +45,9 @@ def test_gpt_oss_120b_at_batch_1_reads_dense_attention_four_experts_and_kv():
 def test_moe_plan_json_reports_the_read_and_the_crossover_uses_it():
     out = kvledger("plan", "gpt-oss-120b", "--gpu", "h100-80gb", "--users", "1", "--context", "8192", "--json").json()
     assert out["weight_bytes_read_per_step"] == out["weights_bytes_per_step"] < 0.1 * out["weights_bytes"]
-    assert out["verdict"] in ("fits", "tight")
+    # at its 131,072-token context one H100 does not hold it: 65.5 GiB of weights leave 2.2 GiB of KV
+    # cache for a request of 4.5 GiB (vLLM refuses to start)
+    assert out["verdict"] == "does not fit"
     dense = kvledger("plan", "llama-3.1-8b", "--gpu", "h100-80gb", "--json").json()
     assert dense["weight_bytes_read_per_step"] == dense["weights_bytes"]  # a dense model reads every weight
     # the crossover batch touches (nearly) every expert, so its weights read is (nearly) all of them

@@ -107,9 +107,9 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     """Every number of the plan, as one JSON-ready dict (plus private objects under ``_``)."""
     from kvledger.errors import KVLedgerError
     from kvledger.planner import bandwidth as bw
-    from kvledger.planner.memory_wall import (CONTEXTS, check_max_model_len, max_fitting_length, plan_memory,
-                                              request_held_bytes, sequence_blocks, useful_work, users_at,
-                                              verdict)
+    from kvledger.planner.memory_wall import (CONTEXTS, check_max_model_len, max_concurrency, max_fitting_length,
+                                              plan_memory, request_held_bytes, startup_max_model_len, useful_work,
+                                              users_at, verdict)
 
     if args.users is not None and args.context is None:
         args.context = CROSSOVER_CONTEXT  # the default --help promises
@@ -145,20 +145,23 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         "crossover_context": conversation,
         "crossover_conversations": crossover / conversation,
         "max_fitting_length": max_fitting_length(spec, wall),
+        "vllm_max_model_len": startup_max_model_len(spec, wall),
         "weight_bytes_read_per_step": bw.weight_bytes_read_per_step(wall, args.users or 1),
         "weight_bytes_read_batch": args.users or 1,
         "notes": list(spec.notes),
         "warnings": list(wall.warnings),
     }
     model_max = spec.max_position_embeddings
-    if not args.max_model_len and model_max and users_at(spec, wall, model_max) == 0:
+    refused_at_default = bool(not args.max_model_len and model_max and check_max_model_len(spec, wall, model_max))
+    if refused_at_default:
         out["notes"].append(f"vLLM would refuse to start with the model's default max_model_len ({model_max:,}): "
-                            f"the pool holds {out['max_fitting_length']:,} tokens for one sequence; "
-                            "set --max-model-len")
+                            f"the pool holds {out['max_fitting_length']:,} tokens for one decoding sequence, and vLLM's "
+                            f"start-up check (sliding layers at their prefill worst case) allows "
+                            f"{out['vllm_max_model_len']:,}; set --max-model-len")
     max_len = args.max_model_len or model_max
     if max_len:
         out["max_model_len"] = max_len
-        out["max_concurrency"] = wall.num_blocks / sequence_blocks(spec, wall, max_len)
+        out["max_concurrency"] = max_concurrency(spec, wall, max_len)
     if args.users:
         kv = bw.kv_read_bytes(spec, wall.kv_cache_dtype, args.users, args.context, wall.tensor_parallel_size)
         step = bw.decode_step(bw.weight_bytes_read_per_step(wall, args.users), kv, args.users, args.context, bandwidth)
@@ -171,12 +174,11 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     # vLLM starts with --max-model-len, or else the model's own context: the verdict holds it to that
     v = verdict(spec, wall, max_model_len=args.max_model_len or spec.max_position_embeddings, users=args.users,
                 context=args.context)
-    if v.verdict == "does not fit" and not args.max_model_len and v.term == "KV pool" and spec.max_position_embeddings \
-            and users_at(spec, wall, spec.max_position_embeddings) == 0:
+    if v.verdict == "does not fit" and v.term == "KV pool" and refused_at_default:
         v = type(v)(v.verdict, "max-model-len",
                     f"vLLM starts with the model's context ({spec.max_position_embeddings:,} tokens) unless told "
-                    f"otherwise, and the pool holds {out['max_fitting_length']:,} for one sequence",
-                    f"set --max-model-len {out['max_fitting_length']} or less")
+                    f"otherwise, and its start-up check allows {out['vllm_max_model_len']:,} for one request",
+                    f"set --max-model-len {out['vllm_max_model_len']} or less")
     out.update(verdict=v.verdict, verdict_term=v.term, verdict_reason=v.reason, verdict_advice=v.advice)
     out["_"] = (spec, gpu, wall)
     return out

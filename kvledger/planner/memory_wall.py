@@ -37,7 +37,7 @@ from typing import Callable
 from kvledger.errors import KVLedgerError
 from kvledger.planner.gpus import GPU, kv_dtype_warning
 from kvledger.spec import ModelSpec, kv_bytes
-from kvledger.spec.weights import model_dtype, weight_bytes_breakdown, MODEL_DTYPES
+from kvledger.spec.weights import MODEL_DTYPES, WeightBytes, model_dtype, weight_bytes_breakdown
 from kvledger.units import GiB, MiB
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -343,7 +343,9 @@ def plan_memory(
     act_bytes = MODEL_DTYPES[unq]
     kvb = kv_bytes(spec, kv_cache_dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp, model_dtype=unq)
     warning = kv_dtype_warning(gpu, kvb.kv_cache_dtype)
-    parts = weight_bytes_breakdown(spec, weights_dtype, dtype=dtype, quantization=quantization)
+    parts_at = partial(weight_bytes_breakdown, spec, weights_dtype, dtype=dtype, quantization=quantization,
+                       compute_capability=gpu.compute_capability)  # mxfp4 experts as the card's kernel holds them
+    parts = parts_at(tensor_parallel_size=tp)
     all_weights = parts.total
     # --overhead is the chapter's whole bill beside the checkpoint's tensors: the rotary table is in it
     weights = parts.per_rank(spec.num_layers, layers, tp, first_stage=pp == 1, last_stage=True,
@@ -362,7 +364,7 @@ def plan_memory(
     else:
         pool = requested - weights - terms.total
         if pool <= 0:
-            fits = _fitting_tp(spec, kv_cache_dtype, block_size, parts, layers, pp, requested, tp, overheads_at, unq)
+            fits = _fitting_tp(spec, kv_cache_dtype, block_size, parts_at, layers, pp, requested, tp, overheads_at, unq)
             raise KVLedgerError(_does_not_fit(spec, gpu, weights, terms.total, requested, tp, gpu_memory_utilization,
                                               weights_dtype, fits))
     blocks = kvb.num_blocks(pool, block_size)  # vLLM's count
@@ -401,11 +403,12 @@ def plan_memory(
     )
 
 
-def _fitting_tp(spec: ModelSpec, kv_cache_dtype: str, block_size: int, parts, layers: int, pp: int, requested: int,
-                tp: int, overheads_at: Callable[[int], Overheads], unq: str) -> int | None:
+def _fitting_tp(spec: ModelSpec, kv_cache_dtype: str, block_size: int, parts_at: Callable[..., WeightBytes],
+                layers: int, pp: int, requested: int, tp: int, overheads_at: Callable[[int], Overheads],
+                unq: str) -> int | None:
     """The smallest tensor-parallel size above ``tp`` whose ranks split the heads and leave a KV
-    pool of at least one block, with ``overheads_at(size)`` as the overhead there; ``None`` when
-    none does."""
+    pool of at least one block, with ``parts_at(tensor_parallel_size=size)`` as the weights and
+    ``overheads_at(size)`` as the overhead there; ``None`` when none does."""
     for size in TP_HINT_SIZES:
         if size <= tp:
             continue
@@ -413,7 +416,8 @@ def _fitting_tp(spec: ModelSpec, kv_cache_dtype: str, block_size: int, parts, la
             kvb = kv_bytes(spec, kv_cache_dtype, tensor_parallel_size=size, pipeline_parallel_size=pp, model_dtype=unq)
         except KVLedgerError:  # the heads do not split over this many ranks
             continue
-        weights = parts.per_rank(spec.num_layers, layers, size, first_stage=pp == 1, last_stage=True)
+        weights = parts_at(tensor_parallel_size=size).per_rank(spec.num_layers, layers, size, first_stage=pp == 1,
+                                                                last_stage=True)
         pool = requested - weights - overheads_at(size).total
         if kvb.num_blocks(pool, block_size) > 0:
             return size
@@ -444,15 +448,21 @@ def sequence_blocks(spec: ModelSpec, wall: MemoryWall, tokens: int) -> int:
     pages = math.ceil(tokens / wall.block_size)
     if not wall.num_sliding_layers or not wall.sliding_window:
         return pages
+    window_pages = min(pages, math.ceil(wall.sliding_window / wall.block_size) + 1)
+    full_groups, sliding_groups = _page_groups(spec, wall)
+    return math.ceil((full_groups * pages + sliding_groups * window_pages) / (full_groups + sliding_groups))
+
+
+def _page_groups(spec: ModelSpec, wall: MemoryWall) -> tuple[int, int]:
+    """(full-attention groups, sliding groups) of vLLM's hybrid allocator: layers grouped by the
+    smaller of the two kinds' counts (every layer slides: (0, 1))."""
     kvb = kv_bytes(spec, wall.kv_cache_dtype, tensor_parallel_size=wall.tensor_parallel_size,
                    pipeline_parallel_size=wall.pipeline_parallel_size, model_dtype=wall.dtype)
     num_full = kvb.num_layers - kvb.num_sliding_layers
-    window_pages = min(pages, math.ceil(wall.sliding_window / wall.block_size) + 1)
-    if not num_full:  # every layer slides: one kind of page
-        return window_pages
+    if not num_full:
+        return 0, 1
     group = min(num_full, kvb.num_sliding_layers)
-    full_groups, sliding_groups = math.ceil(num_full / group), math.ceil(kvb.num_sliding_layers / group)
-    return math.ceil((full_groups * pages + sliding_groups * window_pages) / (full_groups + sliding_groups))
+    return math.ceil(num_full / group), math.ceil(kvb.num_sliding_layers / group)
 
 
 def request_held_bytes(spec: ModelSpec, wall: MemoryWall, tokens: int) -> int:
@@ -471,6 +481,22 @@ def users_at(spec: ModelSpec, wall: MemoryWall, tokens: int, shared_prefix: int 
     shared_blocks = shared_prefix // wall.block_size
     per_sequence = sequence_blocks(spec, wall, tokens) - shared_blocks
     return max(0, (wall.num_blocks - shared_blocks) // max(per_sequence, 1))
+
+
+def max_concurrency(spec: ModelSpec, wall: MemoryWall, tokens: int) -> float:
+    """vLLM's "Maximum concurrency for ``tokens`` tokens per request" (times, fractional as it
+    prints it): the pool's blocks over the most one such request may hold. For a full-attention
+    model that is ``ceil(tokens / block_size)``. A sliding group is counted, as vLLM 0.19's
+    ``SlidingWindowSpec.max_memory_usage_bytes`` counts it, at its worst during chunked prefill:
+    the window less one plus a whole ``max_num_batched_tokens`` chunk, at most ``tokens``, plus
+    one block, not the window it keeps once decoding (``sequence_blocks``)."""
+    pages = math.ceil(tokens / wall.block_size)
+    if not wall.num_sliding_layers or not wall.sliding_window:
+        return wall.num_blocks / pages
+    worst = min(wall.sliding_window - 1 + wall.max_num_batched_tokens, tokens)
+    window_pages = math.ceil(worst / wall.block_size) + 1
+    full_groups, sliding_groups = _page_groups(spec, wall)
+    return wall.num_blocks * (full_groups + sliding_groups) / (full_groups * pages + sliding_groups * window_pages)
 
 
 def max_fitting_length(spec: ModelSpec, wall: MemoryWall) -> int | None:
@@ -495,6 +521,40 @@ def max_fitting_length(spec: ModelSpec, wall: MemoryWall) -> int | None:
     return lo
 
 
+def startup_request_bytes(spec: ModelSpec, wall: MemoryWall, tokens: int) -> int:
+    """The KV memory vLLM 0.19 requires at start-up for one ``tokens``-token request
+    (``check_enough_kv_cache_memory``: every layer's ``max_memory_usage_bytes``), bytes per rank.
+    A full layer needs ``ceil(tokens / block_size)`` blocks. A sliding layer is counted at its
+    worst during chunked prefill, not at the window it keeps once decoding: ``min(window - 1 +
+    max_num_batched_tokens, tokens)`` tokens plus one block. For Gemma-3-27B at 131,072 tokens on
+    an H100 (52 of 62 layers slide over 1,024) that is 13.7 GiB where the decoding window needs
+    10.4 GiB: a pool between the two starts in no vLLM, though the window fits."""
+    kvb = kv_bytes(spec, wall.kv_cache_dtype, tensor_parallel_size=wall.tensor_parallel_size,
+                   pipeline_parallel_size=wall.pipeline_parallel_size, model_dtype=wall.dtype)
+    layer_block = wall.block_size * ((kvb.bytes_per_token + kvb.scale_bytes_per_token) // kvb.num_layers)
+    pages = math.ceil(tokens / wall.block_size)
+    num_sliding = kvb.num_sliding_layers if wall.sliding_window else 0
+    worst = pages
+    if num_sliding:
+        worst = math.ceil(min(wall.sliding_window - 1 + wall.max_num_batched_tokens, tokens) / wall.block_size) + 1
+    return ((kvb.num_layers - num_sliding) * pages + num_sliding * worst) * layer_block
+
+
+def startup_max_model_len(spec: ModelSpec, wall: MemoryWall) -> int:
+    """vLLM's "estimated maximum model length" in its start-up refusal: the longest request whose
+    ``startup_request_bytes`` the pool holds, at most the model's context (tokens). Equal to
+    ``max_fitting_length`` for a model without sliding layers."""
+    hi = spec.max_position_embeddings or wall.kv_tokens * spec.num_layers
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if startup_request_bytes(spec, wall, mid) <= wall.num_blocks * wall.block_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def check_max_model_len(spec: ModelSpec, wall: MemoryWall, max_model_len: int) -> str | None:
     """``None`` when one ``max_model_len`` sequence can run, else vLLM's start-up error, with numbers:
     longer than the model's context (``max_position_embeddings``), or more than the pool holds."""
@@ -504,12 +564,12 @@ def check_max_model_len(spec: ModelSpec, wall: MemoryWall, max_model_len: int) -
                 f"= {model_max:,} in {spec.name}'s config; vLLM refuses it (unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, "
                 "at the risk of wrong outputs); lower --max-model-len")
     need = sequence_blocks(spec, wall, max_model_len)
-    if need <= wall.num_blocks:
+    need_bytes = max(need * wall.block_bytes, startup_request_bytes(spec, wall, max_model_len))
+    if need_bytes <= wall.num_blocks * wall.block_bytes:
         return None
-    need_bytes = need * wall.block_bytes
     return (f"to serve at least one request with max_model_len ({max_model_len:,}), {need_bytes / GiB:.2f} GiB KV cache "
             f"is needed, which is larger than the available KV cache memory ({wall.kv_pool_bytes / GiB:.2f} GiB); "
-            f"based on the available memory, the estimated maximum model length is {max_fitting_length(spec, wall):,}; "
+            f"based on the available memory, the estimated maximum model length is {startup_max_model_len(spec, wall):,}; "
             "try increasing --gpu-memory-utilization or decreasing --max-model-len")
 
 
@@ -556,8 +616,9 @@ def verdict(spec: ModelSpec, wall: MemoryWall, max_model_len: int | None = None,
     what = ""
     if users and context:
         need, what = users * sequence_blocks(spec, wall, context), f"{users} x {context:,}-token users"
-    if max_model_len:
-        one = sequence_blocks(spec, wall, max_model_len)
+    if max_model_len:  # vLLM's start-up requirement: sliding layers at their prefill worst case
+        one = max(sequence_blocks(spec, wall, max_model_len),
+                  math.ceil(startup_request_bytes(spec, wall, max_model_len) / wall.block_bytes))
         if one > need:
             need, what = one, f"one {max_model_len:,}-token sequence (max_model_len)"
     per_point = int(wall.total_bytes * 0.01) // wall.block_bytes * wall.block_size  # tokens per +0.01 utilization

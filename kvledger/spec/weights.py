@@ -20,10 +20,11 @@ uses only a few. Each part is then sized as vLLM stores it:
 When the checkpoint's ``model.safetensors.index.json`` is shipped, its ``total_size`` (the
 tensor bytes) is the truth for the checkpoint as stored; every part is scaled by
 ``total_size / computed`` so the split across ranks and stages keeps that total. Where vLLM
-holds more than the checkpoint (mxfp4 experts re-laid out for its kernels on Hopper: the
-validation table shows +6% for gpt-oss-20b), this count is the checkpoint's and the gap is
-reported, not hidden. vLLM also holds, on every rank, its rotary cos/sin table
-(``rope_cache_bytes``), which no checkpoint stores: 32 MiB for Llama 3.1's 131,072 positions,
+holds more than the checkpoint, the planner names the device: mxfp4 experts are re-laid out
+for the MoE kernel vLLM picks on that card (``mxfp4_moe_backend``, ``mxfp4_expert_bytes``:
+padded sizes, swizzled copies, float32 biases), 6% above the checkpoint for gpt-oss-20b on an
+H100. Without a device the count is the checkpoint's. vLLM also holds, on every rank, its
+rotary cos/sin table (``rope_cache_bytes``), which no checkpoint stores: 32 MiB for Llama 3.1's 131,072 positions,
 2.5 GiB for Llama 4's 10,485,760. The per-rank weights the planner subtracts include it (as
 vLLM's "Model loading took" does); ``total`` (the checkpoint) does not. Sizes are parameters
 (counts) or bytes as named.
@@ -51,6 +52,8 @@ CHECKPOINT_QUANT_METHODS: tuple[str, ...] = ("fp8", "mxfp4", "awq", "gptq", "com
 UNGATED_MLP_TYPES: tuple[str, ...] = ("phi", "gpt2", "gpt_neox", "gpt_bigcode", "starcoder2", "falcon", "opt")
 """Architectures (``model_type``) whose MLP is two biased matrices (up, down) around a GELU,
 not the three of a gated (SwiGLU/GeGLU) MLP; their attention projections are biased too."""
+FLOAT32_ROPE_TYPES: tuple[str, ...] = ("gpt_oss",)
+"""Architectures whose vLLM model file asks ``get_rope`` for a float32 cos/sin table."""
 ONE_SHARED_EXPERT_TYPES: tuple[str, ...] = ("llama4_text",)
 """MoE architectures with one always-on shared expert of ``intermediate_size`` that the config
 does not name (Llama 4's ``shared_expert`` beside its routed experts)."""
@@ -215,6 +218,93 @@ def rope_cache_bytes(spec: ModelSpec, element_bytes: int) -> int:
     return tables * positions * rotary_dim * element_bytes
 
 
+MXFP4_BLOCK = 32
+"""Elements sharing one 8-bit (e8m0) scale in an mxfp4 tensor."""
+MXFP4_BACKENDS: tuple[str, ...] = ("checkpoint", "triton", "marlin", "flashinfer_trtllm")
+"""How mxfp4 experts are held: as the checkpoint stores them, or as one of vLLM 0.19's MoE
+kernels lays them out (``mxfp4_expert_bytes``)."""
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def mxfp4_moe_backend(compute_capability: str | None) -> str:
+    """The MoE kernel vLLM 0.19 picks for an mxfp4 checkpoint on an NVIDIA card of this compute
+    capability (``select_mxfp4_moe_backend``, no environment overrides): its priority list is
+    FlashInfer TRT-LLM (SM 10.x only), then Triton with the bundled ``triton_kernels`` (SM 9.0 up
+    to 10.x), then Marlin (everything else, SM 8.x and 12.x included). ``"checkpoint"`` when no
+    card is named (or on AMD, whose CK and Triton layouts are not modelled)."""
+    if not compute_capability:
+        return "checkpoint"
+    major = int(str(compute_capability).split(".")[0])
+    if major == 10:
+        return "flashinfer_trtllm"
+    if major == 9:
+        return "triton"
+    return "marlin"
+
+
+def mxfp4_expert_bytes(spec: ModelSpec, tensor_parallel_size: int = 1, backend: str = "checkpoint",
+                       hopper_value_align: int = 64) -> int:
+    """Bytes of the routed experts of every MoE layer on one tensor-parallel rank, as vLLM 0.19's
+    mxfp4 method holds them after loading. Per expert it creates ``w13`` (2 x I x H/2 bytes: two
+    4-bit values a byte), ``w2`` (H x I/2), their e8m0 scales (one byte per 32 values) and, for
+    gpt-oss, bfloat16 biases (2 x I and H), with I the intermediate size per rank and H the
+    hidden size, both first rounded up for the kernel; then converts them for it:
+
+    * ``triton`` (Hopper): I rounded up to 64. The values are swizzled into a new tensor whose two
+      byte dimensions are padded to multiples of 64 (the loaded one is freed); the scales are
+      swizzled into a copy padded to 256 rows of the output dimension (and an even count along
+      the reduction) while the loaded scale parameters stay allocated; the biases become float32;
+    * ``marlin``: I rounded up to 128 and H to 256; values repacked and scales permuted at the
+      same sizes, biases in bfloat16;
+    * ``flashinfer_trtllm`` (Blackwell): I and H rounded up to 256; values and scales shuffled at
+      the same sizes, biases float32;
+    * ``checkpoint``: the stored tensors, 4.25 bits per parameter (biases included).
+
+    These are vLLM 0.19's rules, with the ``triton_kernels`` it bundles. ``hopper_value_align``
+    is that library's padding of the swizzled values: 64 in the copy vLLM 0.19 bundles; 1 for the
+    earlier Hopper layout (vLLM 0.14), which pads only to whole swizzle tiles (16 rows of 32
+    bytes): vLLM 0.14.1 printed 64.38 GiB for gpt-oss-120b on an H100
+    (github.com/vllm-project/vllm/issues/33155), this count with 1 gives 64.33. Later releases
+    free the loaded scales once swizzled (vLLM 0.32's mxfp4 method says so) and take the layout
+    from a separately installed ``triton_kernels``.
+
+    On gpt-oss-20b (24 layers of 32 experts, H = I = 2,880) at TP 1 that is 10,155,870,720 bytes
+    stored and 11,010,539,520 on an H100 (Triton). Bytes."""
+    if backend not in MXFP4_BACKENDS:
+        raise KVLedgerError(f"unknown mxfp4 layout {backend!r}; choose one of {', '.join(MXFP4_BACKENDS)}")
+    moe_layers = spec.num_layers - int(spec.raw_config.get("first_k_dense_replace", 0))
+    experts, hidden = spec.num_experts, spec.hidden_size
+    moe_i = spec.moe_intermediate_size or spec.intermediate_size
+    biased = spec.model_type == "gpt_oss"
+    if backend == "checkpoint":
+        per_expert_params = 3 * hidden * moe_i + (2 * moe_i + hidden if biased else 0)
+        return int(moe_layers * experts * per_expert_params * WEIGHT_DTYPE_BYTES["mxfp4"] / tensor_parallel_size)
+    i = moe_i // tensor_parallel_size
+    h = hidden
+    if backend == "triton":
+        i = _round_up(i, 64)
+    elif backend == "marlin":
+        i, h = _round_up(i, 128), _round_up(h, 256)
+    else:
+        i, h = _round_up(i, 256), _round_up(h, 256)
+    scales = 2 * i * (h // MXFP4_BLOCK) + h * (i // MXFP4_BLOCK)
+    bias_elements = (2 * i + h) if biased else 0
+    if backend == "triton":
+        k_align, n_align = max(hopper_value_align, 32), max(hopper_value_align, 16)
+        values = (_round_up(h // 2, k_align) * _round_up(2 * i, n_align)      # w13, reduction over H
+                  + _round_up(i // 2, k_align) * _round_up(h, n_align))       # w2, reduction over I
+        swizzled = (_round_up(2 * i, 256) * _round_up(h // MXFP4_BLOCK, 2)
+                    + _round_up(h, 256) * _round_up(i // MXFP4_BLOCK, 2))
+        per_expert = values + scales + swizzled + 4 * bias_elements
+    else:
+        values = 2 * i * h // 2 + h * i // 2
+        per_expert = values + scales + (2 if backend == "marlin" else 4) * bias_elements
+    return moe_layers * experts * per_expert
+
+
 def checkpoint_dtype(spec: ModelSpec) -> str:
     """The dtype the checkpoint's tensors are stored in: the config's ``torch_dtype``."""
     name = _DTYPE_ALIASES.get(spec.torch_dtype.lower(), spec.torch_dtype.lower())
@@ -234,9 +324,14 @@ def model_dtype(spec: ModelSpec, dtype: str | None = None) -> str:
 
 
 def weight_bytes_breakdown(spec: ModelSpec, weights_dtype: str | None = None, *, dtype: str | None = None,
-                           quantization: str | None = None) -> WeightBytes:
+                           quantization: str | None = None, tensor_parallel_size: int = 1,
+                           compute_capability: str | None = None) -> WeightBytes:
     """The weights of ``spec`` by part, sized as vLLM loads them (see the module docstring).
-    ``weights_dtype`` (a what-if) sizes every parameter alike and overrides the rest."""
+    ``weights_dtype`` (a what-if) sizes every parameter alike and overrides the rest.
+    ``compute_capability`` (the card's SM, e.g. ``"9.0"``) and ``tensor_parallel_size`` size mxfp4
+    experts as vLLM's MoE kernel holds them on one rank of that card (``mxfp4_expert_bytes``);
+    ``experts`` and ``layers`` are then every rank's bytes together. Without a card, the
+    checkpoint's."""
     params = count_params(spec)
     unq = model_dtype(spec, dtype)
     s = MODEL_DTYPES[unq]
@@ -269,21 +364,27 @@ def weight_bytes_breakdown(spec: ModelSpec, weights_dtype: str | None = None, *,
         if head_quantized:
             head_s = _quant_bits(spec) / 8
     expert_share = params.expert / params.linear if params.linear else 0.0
-    if method == "mxfp4":  # the experts alone are 4-bit
+    layout = mxfp4_moe_backend(compute_capability) if method == "mxfp4" else "checkpoint"
+    if method == "mxfp4" and layout != "checkpoint":  # re-laid out for the card's MoE kernel
+        experts = mxfp4_expert_bytes(spec, tensor_parallel_size, layout) * tensor_parallel_size
+        linear += experts - params.expert * WEIGHT_DTYPE_BYTES["mxfp4"]
+    elif method == "mxfp4":  # the experts alone are 4-bit
         experts = params.expert * WEIGHT_DTYPE_BYTES["mxfp4"]
     else:
         experts = linear * expert_share
+    # vLLM builds a few models' rotary table in float32 whatever the model dtype (gpt-oss)
+    rope_s = 4 if spec.model_type in FLOAT32_ROPE_TYPES else s
     computed = WeightBytes(embedding=embedding * s, lm_head=int(params.lm_head * head_s),
                            layers=int(linear + layer_norms * s), final_norm=spec.hidden_size * s,
                            dtype=unq, quantization=kind, experts=int(experts), vision=params.vision * s,
-                           rope_cache=rope_cache_bytes(spec, s))
+                           rope_cache=rope_cache_bytes(spec, rope_s))
     published = spec.weights_bytes_published
     if not published:
         return computed
     # The index's total_size is the checkpoint as stored: scale the count so the parts add up to
     # it (at the checkpoint's own dtype), then to the dtype and quantization vLLM loads.
     ckpt = checkpoint_dtype(spec)
-    same = unq == ckpt and not quantization
+    same = unq == ckpt and not quantization and layout == "checkpoint"
     stored = computed if same else weight_bytes_breakdown(spec, dtype=ckpt)
     factor = published / stored.total
     return WeightBytes(embedding=round(computed.embedding * factor), lm_head=round(computed.lm_head * factor),
@@ -344,9 +445,22 @@ def _checkpoint_linear_bytes(spec: ModelSpec, params: ParamCount, s: int) -> tup
         scales = 2 / group if group else 4 / spec.hidden_size  # float16 per group, or float32 per channel
         ignore = [str(x) for x in (q.get("ignore") or [])]
         head_quantized = params.lm_head > 0 and not any("lm_head" in x for x in ignore)
-        return params.linear * (bits / 8 + scales), head_quantized
+        kept = params.attention * _ignored_attention_share(spec, ignore)  # stays in the model dtype
+        return (params.linear - kept) * (bits / 8 + scales) + kept * s, head_quantized
     raise KVLedgerError(f"{spec.name}: quantization_config quant_method {method!r} is not counted; the planner "
                         f"knows {', '.join(CHECKPOINT_QUANT_METHODS)}; give --weights-dtype for an estimate")
+
+
+def _ignored_attention_share(spec: ModelSpec, ignore: list[str]) -> float:
+    """The share of the decoder's attention projections a compressed-tensors ``ignore`` list keeps
+    unquantized: each text layer's ``self_attn.{q,k,v,o}_proj`` named in it (RedHatAI's Llama-4
+    FP8-dynamic lists all 48 x 4), or all of them for a ``re:`` pattern naming ``self_attn``;
+    vision-tower entries do not count."""
+    if any(x.startswith("re:") and "self_attn" in x and "vision" not in x for x in ignore):
+        return 1.0
+    names = [x for x in ignore if "vision" not in x and x.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj")
+             and "self_attn" in x]
+    return min(1.0, len(names) / (4 * spec.num_layers)) if spec.num_layers else 0.0
 
 
 def weights_bytes(spec: ModelSpec, weights_dtype: str | None = None, *, dtype: str | None = None,
