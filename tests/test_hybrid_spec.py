@@ -36,6 +36,8 @@ def test_granite_layer_types_mamba_and_attention():
     assert spec.num_layers == 40 and spec.num_state_layers == 36 and spec.num_attention_layers == 4
     assert [i for i, t in enumerate(spec.layer_types) if t == FULL] == [5, 15, 25, 35]
     assert spec.state.family == "mamba2"
+    assert set(spec.layer_types) == {FULL, LINEAR}            # transformers' names
+    assert spec.layer_kinds.count(MAMBA) == 36
 
 
 def test_full_attention_interval_gives_three_linear_to_one_attention():
@@ -59,7 +61,7 @@ def test_every_way_configs_say_which_layers_attend(keys, attention):
            "conv_kernel": 4, **keys}
     spec = ModelSpec.from_config_dict(cfg)
     assert [i for i, t in enumerate(spec.layer_types) if t == FULL] == attention
-    assert all(t in (MAMBA, NO_CACHE) for i, t in enumerate(spec.layer_types) if i not in attention)
+    assert all(t in (MAMBA, NO_CACHE) for i, t in enumerate(spec.layer_kinds) if i not in attention)
 
 
 def test_models_without_state_are_unchanged():

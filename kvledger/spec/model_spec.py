@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.errors import ConfigError
-from kvledger.spec.state import (ATTENTION_KINDS, STATE_KINDS, StateSpec, layer_kinds, parallel_state_layers,
-                                 state_spec)
+from kvledger.spec.state import (ATTENTION_KINDS, LINEAR, MAMBA, MAMBA1, MAMBA2, STATE_KINDS, StateSpec, layer_kinds,
+                                 parallel_state_layers, state_spec)
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -116,6 +116,14 @@ class ModelSpec:
         return sum(1 for t in self.layer_types if t == SLIDING)
 
     @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """``layer_types`` with a hybrid's state-space layers named ``"mamba"`` (transformers, and so
+        ``layer_types``, calls them ``"linear_attention"`` as it does Gated DeltaNet layers)."""
+        if self.state is None or self.state.family not in (MAMBA1, MAMBA2):
+            return self.layer_types
+        return tuple(MAMBA if t == LINEAR else t for t in self.layer_types)
+
+    @property
     def attention_layer_types(self) -> tuple[str, ...]:
         """The kinds of the layers that keep per-token K and V (all layers but a hybrid's state and MLP layers)."""
         return tuple(t for t in self.layer_types if t in ATTENTION_KINDS)
@@ -197,7 +205,10 @@ class ModelSpec:
         kinds = layer_kinds(cfg, model_type, num_layers, where)
         state, num_state = None, parallel_state_layers(cfg, model_type, num_layers)
         if kinds is not None:
-            layer_types = tuple(k if k != "full_attention" or t != SLIDING else t for k, t in zip(kinds, layer_types))
+            # transformers' names: a Mamba layer is a "linear_attention" layer (its GraniteMoeHybrid and
+            # Qwen3-Next configs say so); ``layer_kinds`` tells the state-space ones apart
+            layer_types = tuple(LINEAR if k == MAMBA else k if k != FULL or t != SLIDING else t
+                                for k, t in zip(kinds, layer_types))
             num_state = sum(1 for k in kinds if k in STATE_KINDS)
             if not any(t == SLIDING for t in layer_types):
                 window = None
