@@ -106,3 +106,37 @@ def test_advise_says_most_of_a_short_user_is_state():
     plain = advise(load_model_spec("llama-3.1-8b"), get_gpu("h100-80gb"), prompt_tokens=1000, output_tokens=200,
                    users=50, target_users=200)
     assert plain.state_share_per_user == 0 and "no-prefix-caching" not in [lv.name for lv in plain.levers]
+
+
+@pytest.mark.parametrize("argv", [
+    ["kv-bytes", GRANITE, "--json"],
+    ["plan", GRANITE, "--gpu", "h100-80gb", "--max-model-len", "32768", "--json"],
+    ["advise", GRANITE, "--gpu", "h100-80gb", "--prompt-tokens", "1000", "--output-tokens", "200", "--users", "50",
+     "--target-users", "200", "--max-num-seqs", "256", "--json"],
+])
+def test_hybrid_spec_and_planner_never_import_torch(argv):
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvledger.cli.main import main; "
+            f"rc = main({argv!r}); "
+            "assert rc == 0; assert 'torch' not in sys.modules, 'torch was imported'; print('clean')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("clean")
+
+
+def test_hybrid_simulator_never_imports_torch(tmp_path):
+    import subprocess
+    import sys
+
+    trace = tmp_path / "trace.csv"
+    trace.write_text("prompt_tokens,output_tokens\n1000,50\n2000,80\n")
+    argv = ["simulate", GRANITE, "--gpu", "h100-80gb", "--workload", str(trace), "--request-rate", "10",
+            "--max-model-len", "32768", "--max-num-seqs", "64", "--json"]
+    code = ("import sys; from kvledger.cli.main import main; "
+            f"rc = main({argv!r}); "
+            "assert rc == 0; assert 'torch' not in sys.modules, 'torch was imported'; print('clean')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("clean")
