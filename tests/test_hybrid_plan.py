@@ -73,7 +73,7 @@ def test_mamba_ssm_cache_dtype_float32_raises_the_block():
 def test_version_in_help_and_output_and_bad_version_is_one_line():
     assert f"default {DEFAULT_VLLM_VERSION}" in kvledger("plan", "--help").stdout.replace("\n", " ")
     text = kvledger("plan", GRANITE, "--gpu", "h100-80gb", "--max-model-len", "32768").stdout
-    assert f"vLLM {DEFAULT_VLLM_VERSION} rules" in text
+    assert f"vLLM {DEFAULT_VLLM_VERSION}'s hybrid pool" in text
     assert "state per request (36 mamba2 layers, fixed)" in text and "attention block size" in text
     assert_one_line_error(kvledger("plan", GRANITE, "--gpu", "h100-80gb", "--vllm-version", "0.7"),
                           "--vllm-version 0.7")

@@ -175,8 +175,8 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         out["max_concurrency"] = wall.num_blocks / sequence_blocks(spec, wall, max_len)
     if wall.hybrid:
         out["notes"].append(
-            f"hybrid: {spec.num_state_layers} of {spec.num_layers} layers keep a {spec.state.family} state of "
-            f"{wall.state_page_bytes:,} bytes per request (per rank); vLLM {wall.vllm_version} sets the attention block "
+            f"vLLM {wall.vllm_version}'s hybrid pool: each state layer keeps {wall.state_page_bytes:,} bytes per "
+            f"request (per rank); vLLM sets the attention block "
             f"to {wall.block_size} tokens so a page holds one, pads the state page by {wall.state_padding_pct:.2f}%, "
             f"and groups layers {wall.group_size} at a time ({wall.attention_groups} attention + {wall.state_groups} "
             f"state groups); a request holds {wall.state_blocks_per_request} block(s) in each state group"
@@ -295,7 +295,8 @@ def print_plan(plan: dict[str, Any]) -> None:
     spec, gpu, wall = plan["_"]
     tp = wall.tensor_parallel_size
     print(f"{spec.describe()}")
-    print(f"vLLM {wall.vllm_version} rules (--vllm-version)")
+    if wall.hybrid:  # the version rules are the hybrid pool's; other models' numbers are the same in every release
+        print(f"vLLM {wall.vllm_version}'s hybrid pool (--vllm-version)")
     print(f"on {gpu.name} ({gpu.full_name}, {gpu.sm}, {_gib(gpu.memory_bytes)} GiB, "
           f"{format_rate(gpu.bandwidth_bytes_per_s)})" + (f", TP {tp}: numbers are per card" if tp > 1 else ""))
     print()
