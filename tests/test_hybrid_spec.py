@@ -191,3 +191,76 @@ def test_parse_vllm_version(text, version):
 def test_unmodeled_vllm_version_is_an_error(text):
     with pytest.raises(KVLedgerError, match="vllm-version"):
         parse_vllm_version(text)
+
+
+# ---------------------------------------------------------------- the other families vLLM supports
+# Configs written here with only the sizing fields of the published files.
+def test_jamba_mamba1_state_by_hand():
+    spec = ModelSpec.from_config_dict({
+        "model_type": "jamba", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "hidden_size": 4096, "attn_layer_period": 8, "attn_layer_offset": 4, "mamba_expand": 2, "mamba_d_state": 16,
+        "mamba_d_conv": 4, "torch_dtype": "bfloat16"})          # ai21labs/Jamba-v0.1's sizing fields
+    assert [i for i, t in enumerate(spec.layer_types) if t == FULL] == [4, 12, 20, 28]
+    kb = kv_bytes(spec)
+    assert kb.state_bytes_per_layer == 3 * 8192 * 2 + 8192 * 16 * 2      # conv (k-1) x I, SSM I x N
+    layout = layout_for(kb, prefix_caching=False)
+    assert (layout.group_size, layout.attention_groups, layout.state_groups) == (4, 1, 7)
+    assert layout.block_size == 16 * math.ceil(311_296 / (16 * 2 * 8 * 128 * 2))   # 80
+
+
+def test_minimax_lightning_attention_state_by_hand():
+    spec = ModelSpec.from_config_dict({
+        "model_type": "minimax_text_01", "num_hidden_layers": 16, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 6144, "torch_dtype": "bfloat16",
+        "attn_type_list": [0, 0, 0, 0, 0, 0, 0, 1] * 2})
+    assert spec.num_attention_layers == 2 and spec.state.family == "minimax_linear"
+    assert kv_bytes(spec).state_bytes_per_layer == 64 * 128 * 128 * 2
+    assert kv_bytes(spec, tensor_parallel_size=8).state_bytes_per_layer == 8 * 128 * 128 * 2
+
+
+def test_kimi_delta_attention_state_in_float32_beside_mla():
+    spec = ModelSpec.from_config_dict({
+        "model_type": "kimi_linear", "num_hidden_layers": 8, "num_attention_heads": 32, "hidden_size": 2304,
+        "kv_lora_rank": 512, "qk_rope_head_dim": 64, "torch_dtype": "bfloat16",
+        "linear_attn_config": {"kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8], "num_heads": 32,
+                               "head_dim": 128, "short_conv_kernel_size": 4}})
+    assert [i for i, t in enumerate(spec.layer_types) if t == FULL] == [3, 7]
+    kb = kv_bytes(spec)
+    assert kb.state_bytes_per_layer == 3 * (32 * 128 * 3) * 2 + 32 * 128 * 128 * 4
+    layout = layout_for(kb, mla=True, prefix_caching=False)
+    assert layout.kernel_alignment == 128                           # vLLM 0.32 for a hybrid with MLA
+    assert layout.block_size == 128 * math.ceil(kb.state_bytes_per_layer / (128 * 576 * 2))
+
+
+def test_falcon_h1_has_attention_and_mamba2_in_every_layer():
+    spec = ModelSpec.from_config_dict({
+        "model_type": "falcon_h1", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "head_dim": 64, "hidden_size": 1024, "mamba_d_ssm": 1536, "mamba_n_groups": 1, "mamba_n_heads": 24,
+        "mamba_d_head": 64, "mamba_d_state": 128, "mamba_d_conv": 4, "torch_dtype": "bfloat16"})
+    assert spec.num_attention_layers == 4 and spec.num_state_layers == 4
+    kb = kv_bytes(spec)
+    assert kb.state_bytes_per_layer == 3 * (1536 + 2 * 128) * 2 + 24 * 64 * 128 * 2
+
+
+def test_short_conv_state():
+    spec = ModelSpec.from_config_dict({
+        "model_type": "lfm2", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "hidden_size": 512, "conv_L_cache": 3, "conv_dim": 512,
+        "layer_types": ["conv", "full_attention", "conv", "full_attention"]})
+    assert kv_bytes(spec).state_bytes_per_layer == 2 * 512 * 2
+    assert kv_bytes(spec, tensor_parallel_size=2).state_bytes_per_layer == 2 * 256 * 2
+
+
+def test_nemotron_h_ssm_state_defaults_to_float32():
+    cfg = {"model_type": "nemotron_h", "num_hidden_layers": 4, "hybrid_override_pattern": "M-M*",
+           "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "hidden_size": 1024,
+           "mamba_num_heads": 16, "mamba_head_dim": 64, "n_groups": 2, "ssm_state_size": 128, "conv_kernel": 4}
+    kb = kv_bytes(ModelSpec.from_config_dict(cfg))
+    assert kb.state_bytes_per_layer == 3 * (1024 + 2 * 2 * 128) * 2 + 16 * 64 * 128 * 4   # NemotronH: float32 SSM
+    assert kv_bytes(ModelSpec.from_config_dict(cfg), mamba_ssm_cache_dtype="bfloat16").state_bytes_per_layer == \
+        3 * (1024 + 2 * 2 * 128) * 2 + 16 * 64 * 128 * 2
+    # TP 2 splits the 2 groups; TP 4 pads them to 4: conv (1024 + 2 x 4 x 128) / 4 channels
+    assert kv_bytes(ModelSpec.from_config_dict(cfg), tensor_parallel_size=2).state_bytes_per_layer == \
+        3 * (1024 + 2 * 2 * 128) // 2 * 2 + 8 * 64 * 128 * 4
+    assert kv_bytes(ModelSpec.from_config_dict(cfg), tensor_parallel_size=4).state_bytes_per_layer == \
+        3 * (1024 + 2 * 4 * 128) // 4 * 2 + 4 * 64 * 128 * 4
