@@ -140,3 +140,14 @@ def test_hybrid_simulator_never_imports_torch(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("clean")
+
+
+def test_longest_context_and_users_per_context_count_the_state_blocks():
+    """2 GiB: 248 blocks of 4 x 2,162,688 bytes. One request holds 9 state blocks (prefix caching
+    off), so one sequence can grow to (248 - 9) x 528 = 126,192 tokens: vLLM's default context
+    of 131,072 does not fit; at 32,768 each user holds 63 + 9 blocks: 3 users."""
+    out = plan(GRANITE, "--gpu", "h100-80gb", "--kv-cache-memory", str(2 * 1024**3), "--no-enable-prefix-caching",
+               "--max-num-seqs", "64")
+    assert out["num_blocks"] == 248 and out["max_fitting_length"] == 126_192
+    assert out["users_per_context"] == {"2048": 248 // 13, "8192": 248 // 25, "32768": 248 // 72, "131072": 0}
+    assert out["verdict"] == "does not fit" and "126,192" in out["verdict_reason"]
