@@ -104,8 +104,10 @@ class VllmRules:
     def state_blocks_per_request(self, family: str, prefix_caching: bool) -> int:
         """Blocks one request holds in each state group: 1 without prefix caching; 2 in "align"
         mode (the running state and the last checkpoint: ``MambaSpec.max_memory_usage_bytes``);
-        vLLM 0.32's Mamba2 mixer adds one prefill checkpoint block
-        (``MambaMixer2.get_kv_cache_spec``: ``num_prefill_checkpoint_blocks=1``)."""
+        the Mamba2 mixer adds one prefill checkpoint block (``MambaMixer2.get_kv_cache_spec``:
+        ``num_prefill_checkpoint_blocks=1``, vLLM PR #57329 "Enable internal prefill checkpoints",
+        opened 2026-09-17: in 0.32; the releases between 0.28 and 0.32 are not told apart here and
+        are given the older count)."""
         if not prefix_caching:
             return 1
         return 2 + (1 if family == MAMBA2 and self.version >= (0, 32) else 0)
