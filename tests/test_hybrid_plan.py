@@ -149,5 +149,6 @@ def test_longest_context_and_users_per_context_count_the_state_blocks():
     out = plan(GRANITE, "--gpu", "h100-80gb", "--kv-cache-memory", str(2 * 1024**3), "--no-enable-prefix-caching",
                "--max-num-seqs", "64")
     assert out["num_blocks"] == 248 and out["max_fitting_length"] == 126_192
+    assert out["blocks_per_context"]["32768"] == 63 + 9
     assert out["users_per_context"] == {"2048": 248 // 13, "8192": 248 // 25, "32768": 248 // 72, "131072": 0}
     assert out["verdict"] == "does not fit" and "126,192" in out["verdict_reason"]

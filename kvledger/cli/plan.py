@@ -154,6 +154,7 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         "users_per_context": users,
         "useful_work": {t: useful_work(n) for t, n in users.items()},
         "held_bytes_per_context": {str(t): request_held_bytes(spec, wall, t) for t in contexts},
+        "blocks_per_context": {str(t): sequence_blocks(spec, wall, t) for t in contexts},
         "bandwidth_bytes_per_s": bandwidth,
         "crossover_tokens": crossover,
         "crossover_context": conversation,
@@ -356,8 +357,12 @@ def print_plan(plan: dict[str, Any]) -> None:
     print()
     rows = [(f"{int(t):,}", f"{n:,}", format_bytes(plan["held_bytes_per_context"][t]), plan["useful_work"][t])
             for t, n in plan["users_per_context"].items()]
-    print(tabulate(rows, headers=["context per user", "concurrent users", "KV held per user", "useful work?"],
-                   colalign=("right", "right", "right", "left"), disable_numparse=True))
+    headers = ["context per user", "concurrent users", "KV held per user", "useful work?"]
+    if wall.hybrid:  # a hybrid user's blocks: its attention blocks and its state blocks
+        rows = [(*row[:3], f"{plan['blocks_per_context'][t]:,}", row[3])
+                for row, t in zip(rows, plan["users_per_context"])]
+        headers = headers[:3] + ["blocks per user (state + tokens)"] + headers[3:]
+    print(tabulate(rows, headers=headers, colalign=("right",) * (len(headers) - 1) + ("left",), disable_numparse=True))
     if "step_time_s" in plan:
         print()
         print(f"bandwidth model: {plan['users']} users x {plan['context']:,} tokens at "
