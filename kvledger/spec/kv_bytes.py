@@ -21,6 +21,10 @@ Extensions the chapter's formula needs on real models, each keeping the seven te
   of one token (Gemma-3-27B: 10 full + 52 sliding layers page as 7 groups of 10 = 70). vLLM's
   "GPU KV cache size" counts tokens at that cost, so ``token_bytes`` (what the pool is cut
   by) does too; ``bytes_per_token`` stays Eq 2.2 over the real layers.
+* **Linear-attention and state-space hybrids** (``spec.state``): only the attention layers keep
+  K and V, so ``L`` counts them; every other layer keeps a fixed state per request, however long
+  the context: ``state_bytes_per_request`` (per rank), the term that does not grow with ``T``.
+  vLLM's pool for them (block size aligned to the state, padding, groups) is ``spec.hybrid``.
 * **The engine's block granularity** (``block_size`` given): a sliding layer keeps whole blocks,
   from the one holding the first of the last ``window`` tokens, so it holds
   ``T - block_size * floor(max(0, T - window) / block_size)`` token slots, between the window and
