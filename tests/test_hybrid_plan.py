@@ -41,8 +41,9 @@ def test_the_issue_granite_numbers_24x_at_32k_and_6_8x_at_131k():
     off), where the planner used to say 2.81x and refuse 131,072."""
     at = {n: plan(GRANITE, "--gpu", "h100-80gb", "--max-model-len", str(n), "--no-enable-prefix-caching")
           for n in (32768, 131072)}
-    assert 23.5 < at[32768]["max_concurrency"] < 24.5
-    assert 6.6 < at[131072]["max_concurrency"] < 7.0
+    # "about": the pool rests on the weights and activation estimates (within 10% of the issue's figures)
+    assert at[32768]["max_concurrency"] == pytest.approx(24, rel=0.1)
+    assert at[131072]["max_concurrency"] == pytest.approx(6.8, rel=0.1)
     assert at[131072]["verdict"] != "does not fit"
     blocks = at[32768]["num_blocks"]
     assert at[32768]["max_concurrency"] / at[131072]["max_concurrency"] == pytest.approx((249 + 9) / (63 + 9))
