@@ -92,3 +92,13 @@ def add_kv_cache_dtype(parser: argparse.ArgumentParser, default: str = "auto") -
 def print_json(obj: Any) -> None:
     json.dump(obj, sys.stdout, indent=2, default=str)
     sys.stdout.write("\n")
+
+
+def add_mamba_ssm_cache_dtype(parser: argparse.ArgumentParser) -> None:
+    """vLLM's ``--mamba-ssm-cache-dtype`` for a hybrid model's SSM / delta-rule state."""
+    from kvledger.spec.state import MAMBA_SSM_CACHE_DTYPES
+
+    parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=MAMBA_SSM_CACHE_DTYPES, metavar="D",
+                        help="hybrid models: dtype of the SSM state, " + ", ".join(MAMBA_SSM_CACHE_DTYPES)
+                             + " (default auto: the config's mamba_ssm_cache_dtype or mamba_ssm_dtype, the family's "
+                               "default, else the model dtype); the conv state keeps the model dtype")

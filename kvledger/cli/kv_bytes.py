@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-from kvledger.cli.common import add_kv_cache_dtype, positive_int, print_json, token_count
+from kvledger.cli.common import add_kv_cache_dtype, add_mamba_ssm_cache_dtype, positive_int, print_json, token_count
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,6 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "1 counts exactly the window)")
     p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
                    help="tensor-parallel ranks; bytes are then per rank (default 1)")
+    add_mamba_ssm_cache_dtype(p)
     custom = p.add_argument_group("custom spec (instead of, or overriding, MODEL)")
     custom.add_argument("--layers", type=positive_int, metavar="L")
     custom.add_argument("--kv-heads", type=positive_int, metavar="H")
@@ -87,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     spec = resolve_spec(args)
     kb = kv_bytes(spec, args.kv_cache_dtype, tokens=args.tokens, batch=args.batch,
-                  tensor_parallel_size=args.tensor_parallel_size, block_size=args.block_size)
+                  tensor_parallel_size=args.tensor_parallel_size, block_size=args.block_size,
+                  mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
     if args.json:
         print_json({**asdict(kb), "attention": spec.attention_kind, "notes": list(spec.notes)})
         return 0
@@ -104,6 +106,14 @@ def run(args: argparse.Namespace) -> int:
         rows.append((f"sliding layers hold ({kb.num_sliding_layers} of {kb.num_layers})",
                      f"{kb.sliding_tokens:,} tokens", f"window {kb.sliding_window:,} in blocks of {kb.block_size}"))
     rows.append((f"total (B x T){tp}", f"{kb.total_bytes:,}", format_bytes(kb.total_bytes)))
+    if kb.num_state_layers:
+        rows.append((f"{kb.state_family} state per request{tp} ({kb.num_state_layers} layers x "
+                     f"{kb.state_bytes_per_layer:,})", f"{kb.state_bytes_per_request:,}",
+                     "fixed, not per token"))
+        rows.append((f"state, B requests{tp}", f"{kb.total_state_bytes:,}", format_bytes(kb.total_state_bytes)))
+        if kb.tensor_parallel_size > 1:
+            rows.append(("state per request, all ranks", f"{kb.state_bytes_per_request_all_ranks:,}",
+                         format_bytes(kb.state_bytes_per_request_all_ranks)))
     if kb.total_scale_bytes:
         with_scales = kb.total_bytes + kb.total_scale_bytes
         rows.append((f"total with scales{tp}", f"{with_scales:,}", format_bytes(with_scales)))

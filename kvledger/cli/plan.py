@@ -6,7 +6,9 @@ import argparse
 from dataclasses import asdict
 from typing import Any
 
-from kvledger.cli.common import add_kv_cache_dtype, fraction, positive_int, print_json, rate, size, token_count
+from kvledger.cli.common import (add_kv_cache_dtype, add_mamba_ssm_cache_dtype, fraction, positive_int, print_json,
+                                 rate, size, token_count)
+from kvledger.spec.hybrid import DEFAULT_VLLM_VERSION, OLDEST_VLLM_VERSION
 from kvledger.planner.bandwidth import CROSSOVER_CONTEXT, DEFAULT_BANDWIDTH_EFFICIENCY
 from kvledger.planner.memory_wall import DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION, VLLM_BLOCK_SIZES
 from kvledger.spec.weights import MODEL_DTYPES, RUNTIME_QUANTIZATIONS, WEIGHT_DTYPE_BYTES
@@ -37,8 +39,9 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel ranks; weights and KV heads split, numbers are per card (default 1)")
     p.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1, metavar="N",
                    help="pipeline stages; layers split, numbers are the last stage's card (default 1)")
-    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, choices=VLLM_BLOCK_SIZES, metavar="N",
-                   help=f"tokens per KV block: {', '.join(map(str, VLLM_BLOCK_SIZES))} (default {DEFAULT_BLOCK_SIZE})")
+    p.add_argument("--block-size", type=int, default=None, choices=VLLM_BLOCK_SIZES, metavar="N",
+                   help=f"tokens per KV block: {', '.join(map(str, VLLM_BLOCK_SIZES))} (default {DEFAULT_BLOCK_SIZE}; "
+                        "a hybrid model's block is raised until one page holds a layer's state, as vLLM does)")
     p.add_argument("--dtype", default="auto", choices=("auto", *MODEL_DTYPES), metavar="D",
                    help=f"vLLM's --dtype for weights and activations: auto, {', '.join(MODEL_DTYPES)} "
                         "(default auto: the config's torch_dtype)")
@@ -56,6 +59,15 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
                    help="sustained memory bandwidth, e.g. 1.5TB/s (default: the card's peak x --bandwidth-efficiency)")
     p.add_argument("--bandwidth-efficiency", type=fraction, default=DEFAULT_BANDWIDTH_EFFICIENCY, metavar="F",
                    help=f"share of the peak bandwidth a decode step sustains (default {DEFAULT_BANDWIDTH_EFFICIENCY})")
+    add_mamba_ssm_cache_dtype(p)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="hybrid models: prefix caching on or off (vLLM's flag); on, a request holds 2 state blocks "
+                        "per state group (3 for Mamba2 in vLLM 0.32) instead of 1 (default: the release's, off "
+                        "before 0.28, on after)")
+    p.add_argument("--vllm-version", metavar="X.Y", default=None,
+                   help=f"the vLLM release whose rules to follow where they changed (the hybrid token line, state "
+                        f"blocks under prefix caching, the max_num_seqs refusal): {'.'.join(map(str, OLDEST_VLLM_VERSION))}"
+                        f" to {DEFAULT_VLLM_VERSION} (default {DEFAULT_VLLM_VERSION}, the newest modeled)")
     p.add_argument("--json", action="store_true", help="print one JSON object with every number")
 
 
@@ -90,6 +102,8 @@ def memory_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         overhead=args.overhead, kv_cache_memory=args.kv_cache_memory, activation=args.activation_memory,
         non_torch=args.non_torch_memory, cuda_graph=args.cuda_graph_memory,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
+        vllm_version=args.vllm_version, max_model_len=getattr(args, "max_model_len", None),
     )
 
 
@@ -109,7 +123,7 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     from kvledger.planner import bandwidth as bw
     from kvledger.planner.memory_wall import (CONTEXTS, check_max_model_len, max_concurrency, max_fitting_length,
                                               plan_memory, request_held_bytes, startup_max_model_len, useful_work,
-                                              users_at, verdict)
+                                              sequence_blocks, users_at, verdict)
 
     if args.users is not None and args.context is None:
         args.context = CROSSOVER_CONTEXT  # the default --help promises
@@ -140,6 +154,7 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         "users_per_context": users,
         "useful_work": {t: useful_work(n) for t, n in users.items()},
         "held_bytes_per_context": {str(t): request_held_bytes(spec, wall, t) for t in contexts},
+        "blocks_per_context": {str(t): sequence_blocks(spec, wall, t) for t in contexts},
         "bandwidth_bytes_per_s": bandwidth,
         "crossover_tokens": crossover,
         "crossover_context": conversation,
@@ -162,6 +177,14 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     if max_len:
         out["max_model_len"] = max_len
         out["max_concurrency"] = max_concurrency(spec, wall, max_len)
+    if wall.hybrid:
+        out["notes"].append(
+            f"vLLM {wall.vllm_version}'s hybrid pool: each state layer keeps {wall.state_page_bytes:,} bytes per "
+            f"request (per rank); vLLM sets the attention block "
+            f"to {wall.block_size} tokens so a page holds one, pads the state page by {wall.state_padding_pct:.2f}%, "
+            f"and groups layers {wall.group_size} at a time ({wall.attention_groups} attention + {wall.state_groups} "
+            f"state groups); a request holds {wall.state_blocks_per_request} block(s) in each state group"
+            f" (prefix caching {'on' if wall.prefix_caching else 'off'})")
     if args.users:
         kv = bw.kv_read_bytes(spec, wall.kv_cache_dtype, args.users, args.context, wall.tensor_parallel_size)
         step = bw.decode_step(bw.weight_bytes_read_per_step(wall, args.users), kv, args.users, args.context, bandwidth)
@@ -275,6 +298,8 @@ def print_plan(plan: dict[str, Any]) -> None:
     spec, gpu, wall = plan["_"]
     tp = wall.tensor_parallel_size
     print(f"{spec.describe()}")
+    if wall.hybrid:  # the version rules are the hybrid pool's; other models' numbers are the same in every release
+        print(f"vLLM {wall.vllm_version}'s hybrid pool (--vllm-version)")
     print(f"on {gpu.name} ({gpu.full_name}, {gpu.sm}, {_gib(gpu.memory_bytes)} GiB, "
           f"{format_rate(gpu.bandwidth_bytes_per_s)})" + (f", TP {tp}: numbers are per card" if tp > 1 else ""))
     print()
@@ -308,6 +333,16 @@ def print_plan(plan: dict[str, Any]) -> None:
              format_bytes(wall.bytes_per_token))]
     if wall.scale_bytes_per_token:
         rows.append(("scale bytes per token", f"{wall.scale_bytes_per_token:,}", format_bytes(wall.scale_bytes_per_token)))
+    if wall.hybrid:
+        rows += [(f"state per request ({spec.num_state_layers} {spec.state.family} layers, fixed)",
+                  f"{wall.state_bytes_per_request:,}", format_bytes(wall.state_bytes_per_request)),
+                 (f"attention block size ({'set by vLLM to hold a state' if wall.block_size_raised else '--block-size'})",
+                  f"{wall.block_size:,} tokens", ""),
+                 (f"page (one layer), state padded by {wall.state_padding_pct:.2f}%", f"{wall.page_bytes:,}",
+                  format_bytes(wall.page_bytes)),
+                 (f"groups of {wall.group_size} layers", f"{wall.attention_groups} attention + {wall.state_groups} state", ""),
+                 (f"state blocks per request (prefix caching {'on' if wall.prefix_caching else 'off'})",
+                  f"{wall.state_groups * wall.state_blocks_per_request}", "")]
     rows += [(f"block ({wall.block_size} tokens)", f"{wall.block_bytes:,}", format_bytes(wall.block_bytes)),
              ("blocks", f"{wall.num_blocks:,}", ""),
              *([(f"engine block (one KV group: {wall.engine_group_layers} layers x {wall.block_size} tokens)",
@@ -324,8 +359,12 @@ def print_plan(plan: dict[str, Any]) -> None:
     print()
     rows = [(f"{int(t):,}", f"{n:,}", format_bytes(plan["held_bytes_per_context"][t]), plan["useful_work"][t])
             for t, n in plan["users_per_context"].items()]
-    print(tabulate(rows, headers=["context per user", "concurrent users", "KV held per user", "useful work?"],
-                   colalign=("right", "right", "right", "left"), disable_numparse=True))
+    headers = ["context per user", "concurrent users", "KV held per user", "useful work?"]
+    if wall.hybrid:  # a hybrid user's blocks: its attention blocks and its state blocks
+        rows = [(*row[:3], f"{plan['blocks_per_context'][t]:,}", row[3])
+                for row, t in zip(rows, plan["users_per_context"])]
+        headers = headers[:3] + ["blocks per user (state + tokens)"] + headers[3:]
+    print(tabulate(rows, headers=headers, colalign=("right",) * (len(headers) - 1) + ("left",), disable_numparse=True))
     if "step_time_s" in plan:
         print()
         print(f"bandwidth model: {plan['users']} users x {plan['context']:,} tokens at "

@@ -56,6 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--kv-cache-memory", type=size, default=None, metavar="SIZE", help="KV pool bytes per replica")
     g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None, metavar="N")
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N")
+    g.add_argument("--vllm-version", metavar="X.Y", default=None,
+                   help="hybrid models: the vLLM release whose pool rules to follow (default the newest modeled)")
     p.add_argument("--json", action="store_true", help="print every number as one JSON object")
     p.add_argument("--plot", metavar="FILE", help="PNG: KV blocks vs the pool, running/waiting, TTFT and TPOT CDFs")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -81,6 +83,9 @@ def setup(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     slo = parse_slo(args.slo) if args.slo else (parse_slo(DEFAULT_FIND_SLO) if args.find_replicas else None)
     spec = load_model_spec(args.model)
     tp = args.tensor_parallel_size
+    hybrid = None
+    if args.profile and spec.is_hybrid:
+        raise KVLedgerError(f"{spec.name} is a hybrid model: step profiles of hybrids are not modeled; use --gpu")
     if args.profile:
         profile = Profile.load(args.profile)
         kv_dtype = args.kv_cache_dtype or profile.kv_cache_dtype
@@ -106,14 +111,22 @@ def setup(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         wall = plan_memory(spec, gpu, gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=kv_dtype,
                            tensor_parallel_size=tp, block_size=args.block_size,
                            kv_cache_memory=args.kv_cache_memory,
-                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                           enable_prefix_caching=args.enable_prefix_caching, max_model_len=args.max_model_len,
+                           vllm_version=args.vllm_version)
         num_blocks = args.num_gpu_blocks_override or wall.num_blocks
         model = StepModel.from_gpu(spec, gpu, kv_dtype, tp)
+        if wall.hybrid:  # vLLM's block size for the model, its state blocks, its start-up refusal
+            from kvledger.sim.hybrid import HybridPool, check_max_num_seqs
+
+            args.block_size = wall.block_size
+            hybrid = HybridPool.from_wall(wall)
+            check_max_num_seqs(args.max_num_seqs, num_blocks, wall.refuses_max_num_seqs)
     config = EngineConfig(model=args.model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=args.enable_prefix_caching, num_gpu_blocks_override=num_blocks,
                           max_model_len=args.max_model_len)
-    fleet = Fleet(config, num_blocks, lambda: model, args.replicas, args.router, tp)
+    fleet = Fleet(config, num_blocks, lambda: model, args.replicas, args.router, tp, hybrid=hybrid)
     return spec, fleet, slo
 
 

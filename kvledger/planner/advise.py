@@ -20,6 +20,13 @@ requests, model quality, hardware, product changes); ties go to what a lever add
 lifting admission alone, discounted the same way. The admission lever changes ``--max-num-seqs`` only; a higher
 ``--gpu-memory-utilization`` is its own lever. No lever sets ``--max-model-len`` above the
 model's context. FP8 KV is offered only on cards with FP8 in hardware (SM 8.9+).
+
+**Hybrids.** On a linear-attention or state-space hybrid a user also holds its recurrent state,
+a fixed number of blocks however short its context (``spec.hybrid``): for short users most of
+what a user costs may be state, which no token lever (KV dtype, shorter contexts,
+``--max-model-len``) shrinks. The advice says how much of a user is state, and offers turning
+prefix caching off where it is on (a request then holds one state block per state group, not
+two or three).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import Any
 from kvledger.errors import KVLedgerError
 from kvledger.planner.bandwidth import decode_step, effective_bandwidth, kv_read_bytes, weight_bytes_read_per_step
 from kvledger.planner.gpus import GPU
-from kvledger.planner.memory_wall import MemoryWall, plan_memory, users_at, verdict
+from kvledger.planner.memory_wall import MemoryWall, plan_memory, sequence_blocks, users_at, verdict
 from kvledger.spec import ModelSpec
 from kvledger.spec.dtypes import QUANTIZED_KV_DTYPES
 
@@ -91,6 +98,8 @@ class Advice:
     levers: list[Lever] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     target_met: bool = False
+    state_share_per_user: float = 0.0
+    """Hybrids: the share of one user's blocks that hold its recurrent state (0 for other models)."""
 
 
 def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int, users: int, target_users: int,
@@ -128,6 +137,21 @@ def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int,
         return 1e3 * decode_step(weight_bytes_read_per_step(wall, n), kv, n, per_user, bw).step_time_s
 
     levers: list[Lever] = []
+    hybrid_notes: list[str] = []
+    state_share = 0.0
+    if wall.hybrid:
+        state_blocks = wall.state_groups * wall.state_blocks_per_request
+        state_share = state_blocks / sequence_blocks(spec, wall, per_user)
+        hybrid_notes.append(
+            f"{state_share:.0%} of a {per_user:,}-token user's pool bytes are its recurrent state ({state_blocks} of "
+            f"{sequence_blocks(spec, wall, per_user)} blocks, {wall.state_bytes_per_request / 2**20:,.1f} MiB of state "
+            "per request, fixed): token levers (KV dtype, shorter contexts, --max-model-len) act only on the rest")
+        if wall.prefix_caching:
+            alt = plan_memory(spec, gpu, **{**memory, "enable_prefix_caching": False})
+            levers.append(lever(
+                "no-prefix-caching", "--no-enable-prefix-caching", users_at(spec, alt, per_user), "latency",
+                f"a request then holds {alt.state_blocks_per_request} state block per state group instead of "
+                f"{wall.state_blocks_per_request}; price: shared prefixes are computed again for every request"))
     duplicated = target_users * shared_prefix_tokens
     if shared_prefix_tokens >= wall.block_size:
         after = users_at(spec, wall, per_user, shared_prefix_tokens)
@@ -178,6 +202,7 @@ def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int,
     notes = [] if gpu.fp8_kv else [
         f"FP8 KV is not offered: {gpu.name} is {gpu.sm}, without FP8 in hardware (SM 8.9+: Ada, Hopper, Blackwell); "
         "vLLM would convert it in its kernels, and the chapter's advice there is int8"]
+    notes = hybrid_notes + notes
     if target_met:
         notes.insert(0, f"the target is already met: {served_now} users are served and {target_users} are wanted; "
                         "no lever is needed")
@@ -207,7 +232,7 @@ def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int,
         tokens_per_user=per_user, kv_tokens=wall.kv_tokens, kv_pool_bytes=wall.kv_pool_bytes,
         capacity_users=capacity, live_tokens_now=live_now, pool_share_now=live_now / wall.kv_tokens,
         duplicated_prefix_tokens=duplicated, prefix_share_of_pool=duplicated / wall.kv_tokens,
-        levers=levers, notes=notes, target_met=target_met,
+        levers=levers, notes=notes, target_met=target_met, state_share_per_user=state_share,
     )
 
 

@@ -27,6 +27,10 @@ one ``context``-token sequence divided by its tokens. That is exact when every s
 ``context`` tokens; for a full-attention model it is exact for any mix of lengths (every token
 costs every layer); for a sliding-window model with mixed lengths it is the cost at a typical
 length, an approximation, since the window caps each sequence, not the sum.
+
+A hybrid model's state layers read their whole per-request state and write it back every decode
+step, however long the context: ``kv_read_bytes`` adds ``2 x users x state_bytes_per_request``
+(read and write), so a short-context batch of a hybrid can move more state than K and V.
 """
 
 from __future__ import annotations
@@ -84,8 +88,14 @@ def weight_bytes_read_per_step(wall, batch: int) -> int:
 
 
 def kv_read_bytes(spec: ModelSpec, kv_cache_dtype: str, users: int, context: int, tensor_parallel_size: int = 1) -> int:
-    """KV bytes one step reads on one rank: Eq 2.2 for ``users`` x ``context`` plus scales."""
-    return kv_bytes(spec, kv_cache_dtype, tokens=context, batch=users, tensor_parallel_size=tensor_parallel_size).slot_bytes
+    """KV bytes one step moves on one rank: Eq 2.2 for ``users`` x ``context`` plus scales, and a
+    hybrid's per-request state read and written back (``2 x users x state``)."""
+    kvb = kv_bytes(spec, kv_cache_dtype, tokens=context, batch=users, tensor_parallel_size=tensor_parallel_size)
+    return kvb.slot_bytes + STATE_READ_WRITE * kvb.total_state_bytes
+
+
+STATE_READ_WRITE = 2
+"""A decode step reads a hybrid's recurrent state and writes the updated one back."""
 
 
 def decode_step(weights_bytes: int, kv_bytes_per_step: int, users: int, context: int, bandwidth: float) -> DecodeStep:

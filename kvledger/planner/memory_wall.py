@@ -37,6 +37,7 @@ from typing import Callable
 from kvledger.errors import KVLedgerError
 from kvledger.planner.gpus import GPU, kv_dtype_warning
 from kvledger.spec import ModelSpec, kv_bytes
+from kvledger.spec.hybrid import DEFAULT_VLLM_VERSION, HybridLayout, layout_for, vllm_rules
 from kvledger.spec.weights import MODEL_DTYPES, WeightBytes, model_dtype, weight_bytes_breakdown
 from kvledger.units import GiB, MiB
 
@@ -293,6 +294,33 @@ class MemoryWall:
     (plus any per-layer scales): its measured cache bytes, to the byte."""
     warnings: tuple[str, ...] = ()
     """What the plan stands on but a user should know (fp8 on a card without FP8 hardware)."""
+    vllm_version: str = DEFAULT_VLLM_VERSION
+    """The vLLM release whose rules the plan follows (``--vllm-version``)."""
+    hybrid: bool = False
+    """A linear-attention or state-space hybrid: the pool is vLLM's hybrid one (``spec.hybrid``);
+    ``block_bytes`` is then one block of ``group_size`` layers' pages, state or attention."""
+    state_bytes_per_request: int = 0
+    """Per rank: every state layer's state for one request, unpadded."""
+    state_page_bytes: int = 0
+    """Per rank: one state layer's state, unpadded (vLLM's mamba page)."""
+    page_bytes: int = 0
+    """Per rank: one layer's page, ``block_size`` tokens of attention or one padded state."""
+    state_padding_pct: float = 0.0
+    """vLLM's "Padding mamba page size by X%"."""
+    block_size_raised: bool = False
+    """vLLM set the block size to fit the state ("Setting attention block size to N tokens")."""
+    group_size: int = 0
+    attention_groups: int = 0
+    state_groups: int = 0
+    state_blocks_per_request: int = 0
+    """Blocks a request holds in each state group, from admission to finish."""
+    prefix_caching: bool | None = None
+    """Hybrid models: whether prefix caching is on (``--enable-prefix-caching``, else the release's default)."""
+    mamba_ssm_cache_dtype: str = "auto"
+    refuses_max_num_seqs: bool = False
+    """Whether this vLLM release refuses to start with ``max_num_seqs`` above the blocks (hybrids)."""
+    tokens_at_max_model_len: int | None = None
+    """The ``max_model_len`` the hybrid token line and concurrency are printed at."""
 
     @property
     def token_bytes(self) -> int:
@@ -308,7 +336,7 @@ def plan_memory(
     kv_cache_dtype: str = "auto",
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = None,
     weights_dtype: str | None = None,
     dtype: str | None = None,
     quantization: str | None = None,
@@ -319,11 +347,24 @@ def plan_memory(
     cuda_graph: int | None = None,
     max_num_batched_tokens: int | None = None,
     max_num_seqs: int | None = None,
+    mamba_ssm_cache_dtype: str = "auto",
+    enable_prefix_caching: bool | None = None,
+    vllm_version: str | None = None,
+    max_model_len: int | None = None,
 ) -> MemoryWall:
     """The wall for ``spec`` on ``gpu``; raises KVLedgerError when the model does not fit.
-    ``max_num_batched_tokens`` and ``max_num_seqs`` default to vLLM's serving defaults for the card."""
+    ``max_num_batched_tokens`` and ``max_num_seqs`` default to vLLM's serving defaults for the card.
+    ``block_size`` left unset is vLLM's default (16 on CUDA; for a hybrid model, the size vLLM
+    aligns to the state, see ``spec.hybrid``). ``mamba_ssm_cache_dtype``, ``enable_prefix_caching``
+    (``None``: the release's default), ``vllm_version`` (``None``: the newest modeled) and
+    ``max_model_len`` (the token line of vLLM 0.20+ is printed at it; default the model's
+    context) matter only for hybrid models."""
     if not 0 < gpu_memory_utilization <= 1:
         raise KVLedgerError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
+    rules = vllm_rules(vllm_version)
+    given_block_size = block_size
+    if block_size is None:
+        block_size = DEFAULT_BLOCK_SIZE
     for value, flag in ((block_size, "--block-size"), (tensor_parallel_size, "--tensor-parallel-size"),
                         (pipeline_parallel_size, "--pipeline-parallel-size")):
         if not isinstance(value, int) or value <= 0:
@@ -341,7 +382,14 @@ def plan_memory(
     layers = stage_layers(spec, pp)
     unq = model_dtype(spec, dtype)
     act_bytes = MODEL_DTYPES[unq]
-    kvb = kv_bytes(spec, kv_cache_dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp, model_dtype=unq)
+    kvb = kv_bytes(spec, kv_cache_dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp, model_dtype=unq,
+                   mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
+    layout: HybridLayout | None = None
+    if spec.is_hybrid:
+        layout = layout_for(kvb, mla=spec.is_mla, block_size=given_block_size, prefix_caching=enable_prefix_caching,
+                            vllm_version=rules.name)
+        block_size = layout.block_size
+    block_bytes = layout.block_bytes if layout else block_size * kvb.token_bytes
     warning = kv_dtype_warning(gpu, kvb.kv_cache_dtype)
     parts_at = partial(weight_bytes_breakdown, spec, weights_dtype, dtype=dtype, quantization=quantization,
                        compute_capability=gpu.compute_capability)  # mxfp4 experts as the card's kernel holds them
@@ -364,14 +412,24 @@ def plan_memory(
     else:
         pool = requested - weights - terms.total
         if pool <= 0:
-            fits = _fitting_tp(spec, kv_cache_dtype, block_size, parts_at, layers, pp, requested, tp, overheads_at, unq)
+            fits = _fitting_tp(spec, kv_cache_dtype, given_block_size, parts_at, layers, pp, requested, tp, overheads_at,
+                               unq)
             raise KVLedgerError(_does_not_fit(spec, gpu, weights, terms.total, requested, tp, gpu_memory_utilization,
                                               weights_dtype, fits))
-    blocks = kvb.num_blocks(pool, block_size)  # vLLM's count
-    engine_blocks = kvb.num_pages(pool, block_size)  # the engine's (a block of one KV group), the call it sizes with
+    if layout:  # vLLM's hybrid pool: blocks of a page per group layer (the engine has no hybrid path)
+        blocks = engine_blocks = layout.num_blocks(pool)
+    else:
+        blocks = kvb.num_blocks(pool, block_size)  # vLLM's count
+        engine_blocks = kvb.num_pages(pool, block_size)  # the engine's (a block of one KV group), the call it sizes with
     if blocks == 0:
         raise KVLedgerError(f"the KV pool ({pool:,} bytes) holds not even one block of {block_size} tokens "
-                            f"({block_size * kvb.token_bytes:,} bytes); give the cache more memory")
+                            f"({block_bytes:,} bytes); give the cache more memory")
+    token_len = max_model_len or spec.max_position_embeddings
+    kv_tokens = blocks * block_size
+    if layout and token_len:
+        kv_tokens = layout.kv_tokens(blocks, token_len)
+    elif layout:
+        kv_tokens = blocks // layout.num_groups * block_size
     headroom = gpu.memory_bytes - (requested if kv_cache_memory is None else weights + terms.total + pool)
     if overhead is not None:  # --overhead is the whole bill beside the weights (the chapter's assumption)
         context = comm = graphs = warmup = 0
@@ -388,8 +446,8 @@ def plan_memory(
         overhead_bytes=terms.total, overhead_given=overhead is not None,
         kv_pool_bytes=pool, kv_pool_given=kv_cache_memory is not None, kv_cache_dtype=kvb.kv_cache_dtype,
         bytes_per_token=kvb.bytes_per_token, scale_bytes_per_token=kvb.scale_bytes_per_token,
-        block_size=block_size, block_bytes=block_size * kvb.token_bytes, num_blocks=blocks,
-        kv_tokens=blocks * block_size, tensor_parallel_size=tp, sliding_window=spec.sliding_window,
+        block_size=block_size, block_bytes=block_bytes, num_blocks=blocks,
+        kv_tokens=kv_tokens, tensor_parallel_size=tp, sliding_window=spec.sliding_window,
         num_sliding_layers=spec.num_sliding_layers, pipeline_parallel_size=pp, dtype=unq,
         quantization=parts.quantization, max_num_seqs=seqs, max_num_batched_tokens=batched,
         cuda_graph_bytes=graphs, cuda_context_bytes=context, comm_init_bytes=comm, sampler_warmup_bytes=warmup,
@@ -397,13 +455,26 @@ def plan_memory(
         expert_bytes=math.ceil(parts.experts * layers / spec.num_layers / tp),
         embedding_table_bytes=math.ceil((parts.vision if pp == 1 else 0) / tp),
         num_experts=spec.num_experts, experts_per_token=spec.num_experts_per_token,
-        engine_block_bytes=kvb.page_bytes(block_size), engine_group_layers=kvb.group_layers or kvb.num_layers,
-        engine_num_blocks=engine_blocks, engine_pool_bytes=kvb.pages_bytes(engine_blocks, block_size),
+        engine_block_bytes=block_bytes if layout else kvb.page_bytes(block_size),
+        engine_group_layers=layout.group_size if layout else kvb.group_layers or kvb.num_layers,
+        engine_num_blocks=engine_blocks,
+        engine_pool_bytes=blocks * block_bytes if layout else kvb.pages_bytes(engine_blocks, block_size),
         warnings=(warning,) if warning else (),
+        vllm_version=rules.name, hybrid=layout is not None,
+        state_bytes_per_request=kvb.state_bytes_per_request, state_page_bytes=kvb.state_bytes_per_layer,
+        page_bytes=layout.page_bytes if layout else 0, state_padding_pct=layout.padding_pct if layout else 0.0,
+        block_size_raised=layout.block_size_raised if layout else False,
+        group_size=layout.group_size if layout else 0, attention_groups=layout.attention_groups if layout else 0,
+        state_groups=layout.state_groups if layout else 0,
+        state_blocks_per_request=layout.state_blocks_per_request if layout else 0,
+        prefix_caching=layout.prefix_caching if layout else enable_prefix_caching,
+        mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
+        refuses_max_num_seqs=bool(layout) and rules.refuses_max_num_seqs_above_blocks,
+        tokens_at_max_model_len=token_len if layout else None,
     )
 
 
-def _fitting_tp(spec: ModelSpec, kv_cache_dtype: str, block_size: int, parts_at: Callable[..., WeightBytes],
+def _fitting_tp(spec: ModelSpec, kv_cache_dtype: str, block_size: int | None, parts_at: Callable[..., WeightBytes],
                 layers: int, pp: int, requested: int, tp: int, overheads_at: Callable[[int], Overheads],
                 unq: str) -> int | None:
     """The smallest tensor-parallel size above ``tp`` whose ranks split the heads and leave a KV
@@ -419,7 +490,9 @@ def _fitting_tp(spec: ModelSpec, kv_cache_dtype: str, block_size: int, parts_at:
         weights = parts_at(tensor_parallel_size=size).per_rank(spec.num_layers, layers, size, first_stage=pp == 1,
                                                                 last_stage=True)
         pool = requested - weights - overheads_at(size).total
-        if kvb.num_blocks(pool, block_size) > 0:
+        blocks = (layout_for(kvb, mla=spec.is_mla, block_size=block_size).num_blocks(pool) if spec.is_hybrid
+                  else kvb.num_blocks(pool, block_size or DEFAULT_BLOCK_SIZE))
+        if blocks > 0:
             return size
     return None
 
@@ -444,8 +517,13 @@ def sequence_blocks(spec: ModelSpec, wall: MemoryWall, tokens: int) -> int:
     page for each of its layer groups (``kv_bytes``: ``page_layers`` layers in groups of
     ``g``); the full groups take a page per ``block_size`` tokens, the sliding groups at most
     ``ceil(window / block_size) + 1`` (a window need not start at a block's edge). The pages
-    are counted back in whole blocks."""
+    are counted back in whole blocks.
+
+    A hybrid model (``wall.hybrid``) holds ``cdiv(tokens, block_size)`` blocks in each attention
+    group and its state blocks in each state group (``spec.hybrid``)."""
     pages = math.ceil(tokens / wall.block_size)
+    if wall.hybrid:
+        return wall.attention_groups * pages + wall.state_groups * wall.state_blocks_per_request
     if not wall.num_sliding_layers or not wall.sliding_window:
         return pages
     window_pages = min(pages, math.ceil(wall.sliding_window / wall.block_size) + 1)
@@ -468,7 +546,10 @@ def _page_groups(spec: ModelSpec, wall: MemoryWall) -> tuple[int, int]:
 def request_held_bytes(spec: ModelSpec, wall: MemoryWall, tokens: int) -> int:
     """Bytes one request of ``tokens`` cached tokens holds in the engine's pool, per rank: every
     full layer ``tokens`` slots, every sliding layer what its blocks keep of the window
-    (:attr:`KVBytes.held_bytes`, the figure the engine's ledger measures per request)."""
+    (:attr:`KVBytes.held_bytes`, the figure the engine's ledger measures per request). A hybrid's
+    request holds whole blocks of vLLM's pool, its state's padded pages included."""
+    if wall.hybrid:
+        return sequence_blocks(spec, wall, tokens) * wall.block_bytes
     return kv_bytes(spec, wall.kv_cache_dtype, tokens=tokens, tensor_parallel_size=wall.tensor_parallel_size,
                     pipeline_parallel_size=wall.pipeline_parallel_size, model_dtype=wall.dtype,
                     block_size=wall.block_size).held_bytes
@@ -489,7 +570,10 @@ def max_concurrency(spec: ModelSpec, wall: MemoryWall, tokens: int) -> float:
     model that is ``ceil(tokens / block_size)``. A sliding group is counted, as vLLM 0.19's
     ``SlidingWindowSpec.max_memory_usage_bytes`` counts it, at its worst during chunked prefill:
     the window less one plus a whole ``max_num_batched_tokens`` chunk, at most ``tokens``, plus
-    one block, not the window it keeps once decoding (``sequence_blocks``)."""
+    one block, not the window it keeps once decoding (``sequence_blocks``). A hybrid model's
+    request holds its attention pages and its state blocks (``sequence_blocks``)."""
+    if wall.hybrid:
+        return wall.num_blocks / sequence_blocks(spec, wall, tokens)
     pages = math.ceil(tokens / wall.block_size)
     if not wall.num_sliding_layers or not wall.sliding_window:
         return wall.num_blocks / pages
@@ -506,7 +590,9 @@ def max_fitting_length(spec: ModelSpec, wall: MemoryWall) -> int | None:
     token, so without a context limit the pool bounds it; ``None`` when nothing does (every layer
     slides, the config names no context, and one window fits)."""
     limits = [spec.max_position_embeddings] if spec.max_position_embeddings else []
-    if spec.num_full_layers:  # the full layers' pages alone bound it (hybrid pages: at most 2 L of them)
+    if wall.hybrid:  # every attention group takes a block per block_size tokens
+        limits.append((wall.num_blocks // max(wall.attention_groups, 1) + 1) * wall.block_size)
+    elif spec.num_full_layers:  # the full layers' pages alone bound it (hybrid pages: at most 2 L of them)
         limits.append(wall.kv_tokens * 2 * spec.num_layers // spec.num_full_layers)
     hi = min(limits) if limits else spec.sliding_window
     if not limits and sequence_blocks(spec, wall, hi) <= wall.num_blocks:
@@ -529,6 +615,8 @@ def startup_request_bytes(spec: ModelSpec, wall: MemoryWall, tokens: int) -> int
     max_num_batched_tokens, tokens)`` tokens plus one block. For Gemma-3-27B at 131,072 tokens on
     an H100 (52 of 62 layers slide over 1,024) that is 13.7 GiB where the decoding window needs
     10.4 GiB: a pool between the two starts in no vLLM, though the window fits."""
+    if wall.hybrid:  # its attention pages and state blocks, as vLLM's hybrid check counts them
+        return sequence_blocks(spec, wall, tokens) * wall.block_bytes
     kvb = kv_bytes(spec, wall.kv_cache_dtype, tensor_parallel_size=wall.tensor_parallel_size,
                    pipeline_parallel_size=wall.pipeline_parallel_size, model_dtype=wall.dtype)
     layer_block = wall.block_size * ((kvb.bytes_per_token + kvb.scale_bytes_per_token) // kvb.num_layers)
@@ -612,6 +700,14 @@ def verdict(spec: ModelSpec, wall: MemoryWall, max_model_len: int | None = None,
     "fits" otherwise. The advice says what a higher ``--gpu-memory-utilization`` or a lower
     ``--max-model-len`` (or fewer ``--max-num-seqs``) would buy.
     """
+    if wall.refuses_max_num_seqs and wall.max_num_seqs > wall.num_blocks:
+        return Verdict("does not fit", "max_num_seqs",
+                       f"vLLM {wall.vllm_version} refuses to start: max_num_seqs ({wall.max_num_seqs}) exceeds "
+                       f"available Mamba cache blocks ({wall.num_blocks}); every running request holds "
+                       f"{wall.state_groups * wall.state_blocks_per_request} state blocks of the pool from admission "
+                       "to finish, and the CUDA graphs are captured for max_num_seqs of them",
+                       f"set --max-num-seqs {wall.num_blocks} or less, or raise --gpu-memory-utilization "
+                       "(more memory, more blocks)")
     need = 0
     what = ""
     if users and context:

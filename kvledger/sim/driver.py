@@ -28,6 +28,7 @@ from kvledger.engine.kv_cache_manager import KVCacheManager
 from kvledger.engine.outputs import StepRecord
 from kvledger.engine.scheduler import Scheduler, SchedulerOutput
 from kvledger.errors import KVLedgerError
+from kvledger.sim.hybrid import HybridKVCacheManager, HybridPool
 from kvledger.sim.requests import SimRequest
 
 
@@ -69,11 +70,15 @@ class Replica:
     """One engine's scheduling state on a virtual clock."""
 
     def __init__(self, index: int, config: EngineConfig, num_blocks: int, timer: StepTimer,
-                 record_steps: bool = False, series_interval_s: float = 0.0) -> None:
+                 record_steps: bool = False, series_interval_s: float = 0.0, hybrid: HybridPool | None = None) -> None:
         self.index = index
         self.config = config
-        self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, config.block_size)
+        if hybrid is not None:  # a hybrid's requests also hold state blocks (kvledger.sim.hybrid)
+            self.pool = BlockPool(num_blocks, enable_caching=False)
+            self.kv: KVCacheManager = HybridKVCacheManager(self.pool, config.block_size, hybrid)
+        else:
+            self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+            self.kv = KVCacheManager(self.pool, config.block_size)
         self.scheduler = Scheduler(config, self.kv)
         self.timer = timer
         self.num_steps = 0

@@ -18,6 +18,7 @@ from kvledger.engine.config import EngineConfig
 from kvledger.errors import KVLedgerError
 from kvledger.metrics.serving import SLO, RequestResult, ServingMetrics, calculate_metrics, evaluate_slo
 from kvledger.sim.driver import Replica, run
+from kvledger.sim.hybrid import HybridPool
 from kvledger.sim.requests import SimRequest, make_request
 from kvledger.sim.routers import make_router
 from kvledger.workload.sampling import SampledRequest
@@ -41,6 +42,8 @@ class Fleet:
     replicas: int = 1
     router: str = "least-loaded"
     tensor_parallel_size: int = 1
+    hybrid: HybridPool | None = None
+    """A hybrid model's state blocks and attention groups per request (``kvledger.sim.hybrid``)."""
 
 
 @dataclass
@@ -72,7 +75,7 @@ def simulate(requests: list[SimRequest], fleet: Fleet, *, progress: bool | None 
     """Run ``requests`` (sorted by arrival) through ``fleet``."""
     span = max((r.arrival_time for r in requests), default=0.0)
     replicas = [Replica(i, fleet.config, fleet.num_blocks, fleet.timer_factory(), record_steps,
-                        series_interval_s=span / SERIES_POINTS if span > 0 else 0.05)
+                        series_interval_s=span / SERIES_POINTS if span > 0 else 0.05, hybrid=fleet.hybrid)
                 for i in range(fleet.replicas)]
     router = make_router(fleet.router, fleet.config.block_size)
     t0 = time.perf_counter()

@@ -21,6 +21,10 @@ Extensions the chapter's formula needs on real models, each keeping the seven te
   of one token (Gemma-3-27B: 10 full + 52 sliding layers page as 7 groups of 10 = 70). vLLM's
   "GPU KV cache size" counts tokens at that cost, so ``token_bytes`` (what the pool is cut
   by) does too; ``bytes_per_token`` stays Eq 2.2 over the real layers.
+* **Linear-attention and state-space hybrids** (``spec.state``): only the attention layers keep
+  K and V, so ``L`` counts them; every other layer keeps a fixed state per request, however long
+  the context: ``state_bytes_per_request`` (per rank), the term that does not grow with ``T``.
+  vLLM's pool for them (block size aligned to the state, padding, groups) is ``spec.hybrid``.
 * **The engine's block granularity** (``block_size`` given): a sliding layer keeps whole blocks,
   from the one holding the first of the last ``window`` tokens, so it holds
   ``T - block_size * floor(max(0, T - window) / block_size)`` token slots, between the window and
@@ -37,6 +41,7 @@ from kvledger.errors import KVLedgerError
 from kvledger.spec.dtypes import (KV_CACHE_DTYPE_BYTES, PER_LAYER_SCALE_DTYPES, PER_TOKEN_SCALE_BYTES,
                                   resolve_kv_cache_dtype)
 from kvledger.spec.model_spec import ModelSpec
+from kvledger.spec.state import ATTENTION_KINDS, MAMBA_DTYPE_BYTES, state_bytes
 
 # Bytes of one scale: fp8 keeps one float32 k_scale and v_scale per layer (per-token scales:
 # ``PER_TOKEN_SCALE_BYTES``).
@@ -95,6 +100,16 @@ class KVBytes:
     """Per rank: what ``B`` sequences hold in the engine's pages, scales included: every group's
     ``group_layers`` layers (a type's last group padded, as its pages are), the full groups for
     ``T`` tokens, the sliding ones for ``sliding_tokens``."""
+    num_state_layers: int = 0
+    """Hybrid models: layers keeping a fixed-size state per request instead of K and V (not in ``L``)."""
+    state_family: str | None = None
+    state_bytes_per_layer: int = 0
+    """Per rank: one state layer's state for one request (conv + SSM), unpadded (``spec.state``)."""
+    state_bytes_per_request: int = 0
+    """Per rank: every state layer's state for one request, the term that does not grow with ``T``."""
+    state_bytes_per_request_all_ranks: int = 0
+    total_state_bytes: int = 0
+    """Per rank: ``B x state_bytes_per_request``."""
 
     @property
     def token_bytes(self) -> int:
@@ -140,7 +155,8 @@ class KVBytes:
         head_meaning = "latent width (kv_lora_rank + qk_rope_head_dim)" if self.kv_factor == 1 else "head dimension"
         return [
             ("2", factor_meaning, self.kv_factor, "tensors"),
-            ("L", "layers", self.num_layers, "layers"),
+            ("L", "attention layers (the others keep a fixed state)" if self.num_state_layers else "layers",
+             self.num_layers, "layers"),
             ("B", "concurrent sequences", self.batch, "sequences"),
             ("T", "cached tokens per sequence", self.tokens, "tokens"),
             ("H_kv", "KV heads" + (" per rank" if self.tensor_parallel_size > 1 else ""), self.kv_heads, "heads"),
@@ -158,11 +174,16 @@ def kv_bytes(
     pipeline_parallel_size: int = 1,
     model_dtype: str | None = None,
     block_size: int | None = None,
+    mamba_ssm_cache_dtype: str = "auto",
 ) -> KVBytes:
     """Evaluate Eq 2.2 for ``batch`` sequences of ``tokens`` cached tokens each, on one rank of
     the last pipeline stage. ``model_dtype`` (vLLM's ``--dtype``) is what ``auto`` resolves to
     (default: the config's ``torch_dtype``). With ``block_size``, sliding layers hold what the
-    engine's blocks hold (:func:`sliding_held_tokens`) instead of exactly the window."""
+    engine's blocks hold (:func:`sliding_held_tokens`) instead of exactly the window.
+
+    A hybrid model's Eq 2.2 runs over its attention layers only (``L`` counts them); its state
+    layers' fixed per-request state is ``state_bytes_per_request`` (``spec.state``), its SSM
+    part in ``mamba_ssm_cache_dtype`` (vLLM's ``--mamba-ssm-cache-dtype``)."""
     if block_size is not None and (not isinstance(block_size, int) or block_size <= 0):
         raise KVLedgerError(f"block-size must be a positive integer, got {block_size!r}")
     for value, what in ((tokens, "tokens"), (batch, "batch"), (tensor_parallel_size, "tensor-parallel-size"),
@@ -176,7 +197,13 @@ def kv_bytes(
     s = KV_CACHE_DTYPE_BYTES[dtype]
     tp = tensor_parallel_size
     _check_tensor_parallel(spec, tp)
-    layer_types = spec.layer_types[-(spec.num_layers // pipeline_parallel_size):]
+    if spec.is_hybrid and pipeline_parallel_size > 1:
+        raise KVLedgerError(f"pipeline parallelism of a hybrid model ({spec.name}) is not modeled; use "
+                            "--tensor-parallel-size")
+    layer_types = [t for t in spec.layer_types[-(spec.num_layers // pipeline_parallel_size):]
+                   if t in ATTENTION_KINDS]
+    if not layer_types:
+        raise KVLedgerError(f"{spec.name} has no attention layer: an attention-free model keeps no KV cache")
     num_layers = len(layer_types)
     num_sliding = sum(1 for t in layer_types if t != "full_attention")
     num_full = num_layers - num_sliding
@@ -197,6 +224,11 @@ def kv_bytes(
     layer_token_slots = batch * (num_full * tokens + num_sliding * sliding_tokens)
     group, full_groups, sliding_groups = kv_group_sizes(num_full, num_sliding)
     total_scales = scale // num_layers * layer_token_slots + fixed
+    state_layer = 0
+    if spec.state is not None:
+        state_layer = state_bytes(spec.state, tp, _state_dtype(model_dtype or spec.torch_dtype),
+                                  mamba_ssm_cache_dtype).page_bytes
+    state_request = state_layer * spec.num_state_layers
     return KVBytes(
         model=spec.name,
         kv_cache_dtype=dtype,
@@ -226,7 +258,20 @@ def kv_bytes(
         sliding_tokens=sliding_tokens if num_sliding else tokens,
         held_bytes=(per_layer_token + scale // num_layers) * group * batch
         * (full_groups * tokens + sliding_groups * sliding_tokens) + fixed,
+        num_state_layers=spec.num_state_layers,
+        state_family=spec.state.family if spec.state else None,
+        state_bytes_per_layer=state_layer,
+        state_bytes_per_request=state_request,
+        state_bytes_per_request_all_ranks=state_request * tp,
+        total_state_bytes=state_request * batch,
     )
+
+
+def _state_dtype(model_dtype: str) -> str:
+    """The dtype name a state takes for the model dtype (``auto`` cache: the model's own)."""
+    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+            "float": "float32"}.get(model_dtype.lower(), model_dtype.lower())
+    return name if name in MAMBA_DTYPE_BYTES else "bfloat16"
 
 
 def sliding_held_tokens(tokens: int, window: int, block_size: int) -> int:

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.errors import ConfigError
+from kvledger.spec.state import (ATTENTION_KINDS, LINEAR, MAMBA, MAMBA1, MAMBA2, STATE_KINDS, StateSpec, layer_kinds,
+                                 parallel_state_layers, state_spec)
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -65,7 +67,9 @@ class ModelSpec:
     torch_dtype: str
     tie_word_embeddings: bool
     layer_types: tuple[str, ...]
-    """Per layer, ``"full_attention"`` or ``"sliding_attention"``."""
+    """Per layer, ``"full_attention"`` or ``"sliding_attention"`` (``"chunked_attention"`` for
+    Llama 4's local layers); in a hybrid model also ``"linear_attention"``, ``"mamba"``, ``"conv"``
+    (layers with a fixed-size state per request) or ``"no_cache"`` (an MLP-only layer)."""
     sliding_window: int | None
     """Tokens a sliding-window layer keeps; ``None`` when no layer slides."""
     kv_lora_rank: int | None = None
@@ -84,6 +88,10 @@ class ModelSpec:
     """The language model's own keys (``text_config`` for a multimodal file), family defaults applied."""
     notes: tuple[str, ...] = ()
     source: str = ""
+    state: StateSpec | None = None
+    """Hybrid models: the geometry of the per-request state its state layers keep (``spec.state``)."""
+    num_state_layers: int = 0
+    """Layers that keep a fixed-size state per request (linear attention, Mamba, short conv)."""
 
     # ------------------------------------------------------------------ derived
     @property
@@ -108,8 +116,30 @@ class ModelSpec:
         return sum(1 for t in self.layer_types if t == SLIDING)
 
     @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """``layer_types`` with a hybrid's state-space layers named ``"mamba"`` (transformers, and so
+        ``layer_types``, calls them ``"linear_attention"`` as it does Gated DeltaNet layers)."""
+        if self.state is None or self.state.family not in (MAMBA1, MAMBA2):
+            return self.layer_types
+        return tuple(MAMBA if t == LINEAR else t for t in self.layer_types)
+
+    @property
+    def attention_layer_types(self) -> tuple[str, ...]:
+        """The kinds of the layers that keep per-token K and V (all layers but a hybrid's state and MLP layers)."""
+        return tuple(t for t in self.layer_types if t in ATTENTION_KINDS)
+
+    @property
+    def num_attention_layers(self) -> int:
+        return len(self.attention_layer_types)
+
+    @property
     def num_full_layers(self) -> int:
-        return self.num_layers - self.num_sliding_layers
+        return self.num_attention_layers - self.num_sliding_layers
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers keep a fixed-size state per request (a linear-attention or state-space hybrid)."""
+        return self.num_state_layers > 0
 
     def describe(self) -> str:
         kv = f"MLA latent {self.kv_lora_rank}+{self.qk_rope_head_dim}" if self.is_mla else (
@@ -117,7 +147,9 @@ class ModelSpec:
         )
         sliding = f", {self.num_sliding_layers} sliding layers (window {self.sliding_window})" if self.num_sliding_layers else ""
         moe = f", MoE {self.num_experts} experts (top {self.num_experts_per_token})" if self.is_moe else ""
-        return f"{self.name}: {self.num_layers} layers, {kv}{sliding}{moe}"
+        hybrid = (f" ({self.num_attention_layers} attention, {self.num_state_layers} {self.state.family} state)"
+                  if self.state is not None else "")
+        return f"{self.name}: {self.num_layers} layers{hybrid}, {kv}{sliding}{moe}"
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -170,6 +202,20 @@ class ModelSpec:
 
         max_pos = _count(cfg, ("max_position_embeddings",), where) or None
         layer_types, window = _layer_types(cfg, model_type, num_layers, max_pos, where, notes)
+        kinds = layer_kinds(cfg, model_type, num_layers, where)
+        state, num_state = None, parallel_state_layers(cfg, model_type, num_layers)
+        if kinds is not None:
+            # transformers' names: a Mamba layer is a "linear_attention" layer (its GraniteMoeHybrid and
+            # Qwen3-Next configs say so); ``layer_kinds`` tells the state-space ones apart
+            layer_types = tuple(LINEAR if k == MAMBA else k if k != FULL or t != SLIDING else t
+                                for k, t in zip(kinds, layer_types))
+            num_state = sum(1 for k in kinds if k in STATE_KINDS)
+            if not any(t == SLIDING for t in layer_types):
+                window = None
+        if num_state:
+            state = state_spec(cfg, model_type, hidden, where)
+            notes.append(f"hybrid: {num_state} of {num_layers} layers keep a fixed-size {state.family} state per "
+                         f"request; {sum(1 for t in layer_types if t in ATTENTION_KINDS)} attention layers keep K and V")
         kv_lora_rank = rope_dim = None
         if cfg.get("kv_lora_rank") is not None:
             kv_lora_rank = need("kv_lora_rank")
@@ -206,6 +252,8 @@ class ModelSpec:
             raw_config=cfg,
             notes=tuple(notes),
             source=source,
+            state=state,
+            num_state_layers=num_state,
         )
 
     @classmethod
