@@ -6,7 +6,7 @@ per module. Twelve prompts, four of them longer than the 512-token window (two s
 600-token prefix, for the prefix cache), 32 new tokens each. The engine must give the same
 tokens alone, in one mixed batch with chunked prefill across the window boundary, with prefix
 caching on and off, and with a pool small enough to force preemption; per-step logits of the
-lone runs (all twelve) within 1e-3. Every step also checks the ledger: each running request's bytes equal
+lone runs (all twelve) within 1e-3, of float64's logits where float32 is ill-conditioned. Every step also checks the ledger: each running request's bytes equal
 ``kv_bytes(..., tokens=T, block_size=16).held_bytes``.
 
 The Gemma terms of use apply to the weights (installed by ``make install``, never committed).
@@ -48,9 +48,8 @@ def prompts():
     return out + long_ids + [shared]
 
 
-@pytest.fixture(scope="module")
-def reference(prompts):
-    """transformers' greedy tokens and per-step logits for every prompt (its own KV cache)."""
+def _transformers_model(dtype: torch.dtype):
+    """transformers' ``Gemma3ForCausalLM`` from the same GGUF file, dequantized to ``dtype``."""
     import functools
 
     import gguf
@@ -61,22 +60,48 @@ def reference(prompts):
     path = gemma3_gguf_path()
     with pytest.MonkeyPatch.context() as mp:  # transformers parses the GGUF twice (config, then tensors):
         mp.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))  # ~20 s each, for a 262k vocabulary
-        model = Gemma3ForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    out = []
+        return Gemma3ForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+
+
+def _greedy(model, ids: list[int], forced: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
+    """``NEW_TOKENS`` steps of ``model`` with its own KV cache after the prompt ``ids``: the greedy
+    tokens and each step's logits (the tokens fed back are ``forced`` ones when given)."""
     with torch.inference_mode():
-        for ids in prompts:
-            result = model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)  # the last position's logits only
-            tokens, logits = [], []
-            for _ in range(NEW_TOKENS):
-                step_logits = result.logits[0, -1].float()
-                token = int(step_logits.argmax())
-                tokens.append(token)
-                logits.append(step_logits)
-                result = model(torch.tensor([[token]]), past_key_values=result.past_key_values, use_cache=True,
-                               logits_to_keep=1)
-            out.append((tokens, torch.stack(logits)))
+        result = model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)  # the last position's logits only
+        tokens, logits = [], []
+        for step in range(NEW_TOKENS):
+            step_logits = result.logits[0, -1]
+            token = int(step_logits.argmax()) if forced is None else forced[step]
+            tokens.append(token)
+            logits.append(step_logits)
+            result = model(torch.tensor([[token]]), past_key_values=result.past_key_values, use_cache=True,
+                           logits_to_keep=1)
+    return tokens, torch.stack(logits)
+
+
+@pytest.fixture(scope="module")
+def reference(prompts):
+    """transformers' greedy tokens and per-step logits for every prompt (its own KV cache), in float32."""
+    model = _transformers_model(torch.float32)
+    out = [_greedy(model, ids) for ids in prompts]
     del model
     return out
+
+
+def _assert_logits_close(logits: torch.Tensor, prompt: list[int], reference: tuple[list[int], torch.Tensor],
+                         what: str) -> None:
+    """Every step's logits within 1e-3 of transformers' float32 ones; where a step misses that, within
+    1e-3 of transformers' logits in float64 on the same tokens. Some steps are ill-conditioned: on
+    the long shared prompt's 30th step transformers' own float32 logits lie 5e-4 from float64's, the
+    engine's 6e-4 on the other side (its other steps: 3e-5 to 8e-5), so two float32 results can
+    part by 1e-3 there while each is as close to the exact values as the other."""
+    gap = (logits - reference[1]).abs().amax(dim=1)
+    if bool((gap < 1e-3).all()):
+        return
+    _, exact = _greedy(_transformers_model(torch.float64), prompt, forced=reference[0])
+    error = (logits.double() - exact).abs().amax(dim=1)
+    worst = int(error.argmax())
+    assert error[worst] < 1e-3, f"{what}: step {worst} is {error[worst]:.2e} from float64's logits"
 
 
 def _llm(**kwargs):
@@ -117,13 +142,13 @@ def test_prompts_cover_the_window(prompts):
 
 
 def test_alone_chunked_and_mixed_batch_without_prefix_caching(prompts, reference):
-    """Each of the twelve prompts alone (per-step logits within 1e-3), then all twelve in one mixed
+    """Each of the twelve prompts alone (per-step logits within 1e-3: _assert_logits_close), then all twelve in one mixed
     batch; prefill in 256-token chunks, so long prompts cross the window boundary mid-prefill."""
     llm = _llm(enable_prefix_caching=False, max_num_batched_tokens=256, kv_cache_memory="256MiB")
     for i in range(len(prompts)):
         (tokens,), (logits,) = _run(llm, [prompts[i]])
         assert tokens == reference[i][0], f"prompt {i} ({len(prompts[i])} tokens)"
-        assert (logits - reference[i][1]).abs().max().item() < 1e-3, f"prompt {i}"
+        _assert_logits_close(logits, prompts[i], reference[i], f"prompt {i}")
     tokens, _ = _run(llm, prompts)
     assert tokens == [r[0] for r in reference]
     assert llm.ledger().prefix_cache_hits == 0
