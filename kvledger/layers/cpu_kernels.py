@@ -85,7 +85,7 @@ class Build:
 
 _lock = threading.Lock()
 _builds: dict[str, Build] = {}
-_current: list[str] = []  # the capability the process runs, chosen on first use
+_stack: list[Build] = []  # the build the process runs (last), chosen on first use; use() pushes
 
 
 ARCH_FLAGS = {
@@ -210,17 +210,25 @@ def _load(capability: str) -> Build:
         return build
 
 
+def _active() -> Build:
+    """The build the process runs now (:func:`current`'s), loaded on the first call."""
+    if not _stack:
+        have = machine_capabilities()
+        aten = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+        aten = aten if aten in (*CAPABILITIES, "default") else ""
+        build = _load(os.environ.get(CAPABILITY_ENV) or aten or (have[-1] if have else "avx2"))
+        with _lock:
+            if not _stack:
+                _stack.append(build)
+    return _stack[-1]
+
+
 def current() -> str:
     """The capability this process runs: :func:`use`'s, else ``KVLEDGER_CPU_CAPABILITY`` (``default``:
     none, torch's own operators), else ``ATEN_CPU_CAPABILITY`` where it names one (torch's own
     kernels then run the same instructions), else the best the CPU has (``avx2`` names it where the CPU has
     none: it is then not loaded, and the log says this CPU has no AVX2)."""
-    if not _current:
-        have = machine_capabilities()
-        aten = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
-        aten = aten if aten in (*CAPABILITIES, "default") else ""
-        _current.append(os.environ.get(CAPABILITY_ENV) or aten or (have[-1] if have else "avx2"))
-    return _current[-1]
+    return _active().capability
 
 
 @contextlib.contextmanager
@@ -228,37 +236,39 @@ def use(capability: str) -> Iterator[Build]:
     """Runs the kernels built for ``capability`` inside the block (built on entry), then the
     previous ones. For tests and benchmarks: a model whose weights were packed for one width
     (``pack_panels``) must not be run under the other."""
-    current()
-    _current.append(capability)
+    _active()
+    build = _load(capability)
+    _stack.append(build)
     try:
-        yield _load(capability)
+        yield build
     finally:
-        _current.pop()
+        _stack.pop()
 
 
 def loaded() -> bool:
     """True once the current capability's kernels are built and loaded (built on the first
     call); False, with the reason logged once, when they are turned off or cannot be built."""
-    return _load(current()).loaded
+    return (_stack[-1] if _stack else _active()).loaded
 
 
 def ops() -> Any:
-    """The current capability's operators (``torch.ops.kvledger_cpu_<capability>``), loaded."""
-    build = _load(current())
-    if not build.loaded:
+    """The current capability's operators (``torch.ops.kvledger_cpu_<capability>``), loaded. On
+    every kernel call of a step: a list's last item once the process has chosen."""
+    build = _stack[-1] if _stack else _active()
+    if build.ops is None:
         raise RuntimeError(f"kvledger CPU kernels not loaded: {build.reason}")
     return build.ops
 
 
 def vector_width() -> int:
     """Floats per vector register the current kernels were built for (16 with AVX-512); 0 when not loaded."""
-    build = _load(current())
+    build = _active()
     return build.width if build.loaded else 0
 
 
 def reason() -> str | None:
     """Why the current kernels are not loaded, or None."""
-    build = _load(current())
+    build = _active()
     return None if build.loaded else build.reason
 
 
