@@ -32,3 +32,14 @@ def assert_one_line_error(result: Result, *needles: str) -> None:
     assert "Traceback" not in result.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+def assert_runs_without_torch(argv: list[str]) -> None:
+    """``kvledger ARGV`` in a fresh interpreter exits 0 without importing torch (the spec, planner
+    and simulator are pure Python)."""
+    code = ("import sys; from kvledger.cli.main import main; import kvledger.spec, kvledger; "
+            f"rc = main({argv!r}); "
+            "assert rc == 0; assert 'torch' not in sys.modules, 'torch was imported'; print('clean')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("clean")

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from tests.cli_helpers import assert_one_line_error, kvledger
+from tests.cli_helpers import assert_one_line_error, assert_runs_without_torch, kvledger
 
 
 def test_llama_per_token_and_8k():
@@ -83,12 +80,7 @@ def test_not_json_and_missing_keys(tmp_path):
      "--users", "40", "--target-users", "100", "--json"],
 ])
 def test_spec_and_planner_commands_never_import_torch(argv):
-    code = ("import sys; from kvledger.cli.main import main; import kvledger.spec, kvledger; "
-            f"rc = main({argv!r}); "
-            "assert rc == 0; assert 'torch' not in sys.modules, 'torch was imported'; print('clean')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().endswith("clean")
+    assert_runs_without_torch(argv)
 
 
 # ---------------------------------------------------------------- overrides on a model

@@ -10,7 +10,7 @@ from kvledger.planner.bandwidth import kv_read_bytes
 from kvledger.planner.gpus import get_gpu
 from kvledger.spec import kv_bytes, load_model_spec
 from kvledger.spec.hybrid import DEFAULT_VLLM_VERSION
-from tests.cli_helpers import assert_one_line_error, kvledger
+from tests.cli_helpers import assert_one_line_error, assert_runs_without_torch, kvledger
 
 GRANITE = "granite-4.0-h-small"
 POOL = 10 * 1024**3
@@ -116,31 +116,15 @@ def test_advise_says_most_of_a_short_user_is_state():
      "--target-users", "200", "--max-num-seqs", "256", "--json"],
 ])
 def test_hybrid_spec_and_planner_never_import_torch(argv):
-    import subprocess
-    import sys
-
-    code = ("import sys; from kvledger.cli.main import main; "
-            f"rc = main({argv!r}); "
-            "assert rc == 0; assert 'torch' not in sys.modules, 'torch was imported'; print('clean')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().endswith("clean")
+    assert_runs_without_torch(argv)
 
 
 def test_hybrid_simulator_never_imports_torch(tmp_path):
-    import subprocess
-    import sys
-
     trace = tmp_path / "trace.csv"
     trace.write_text("prompt_tokens,output_tokens\n1000,50\n2000,80\n")
     argv = ["simulate", GRANITE, "--gpu", "h100-80gb", "--workload", str(trace), "--request-rate", "10",
             "--max-model-len", "32768", "--max-num-seqs", "64", "--json"]
-    code = ("import sys; from kvledger.cli.main import main; "
-            f"rc = main({argv!r}); "
-            "assert rc == 0; assert 'torch' not in sys.modules, 'torch was imported'; print('clean')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().endswith("clean")
+    assert_runs_without_torch(argv)
 
 
 def test_longest_context_and_users_per_context_count_the_state_blocks():

@@ -122,9 +122,8 @@ def _flags(capability: str) -> tuple[list[str], int]:
     return flags, FLOATS_PER_VECTOR[capability]
 
 
-def build_directory(flags: list[str] | None = None, capability: str | None = None) -> Path:
-    """Where the kernels for these sources and flags (``capability``'s, the current one's by
-    default) are built: ``<torch extension root>/kvledger_cpu_kernels/<hash>``, the root being
+def build_directory(flags: list[str] | None = None) -> Path:
+    """Where the kernels for these sources and flags (the current capability's by default) are built: ``<torch extension root>/kvledger_cpu_kernels/<hash>``, the root being
     ``TORCH_EXTENSIONS_DIR`` or torch's default."""
     from torch.utils import cpp_extension
 
@@ -132,7 +131,7 @@ def build_directory(flags: list[str] | None = None, capability: str | None = Non
     for source in sorted(SOURCES + list(CSRC.glob("*.h"))):
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
     if flags is None:
-        flags = _flags(capability or current())[0]
+        flags = _flags(current())[0]
     key = [*flags, torch.__version__, sys.version.split()[0]]
     digest.update("\0".join(key).encode())
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
