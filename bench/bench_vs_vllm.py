@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     identity = ""
     for dtype in args.dtypes:
         llm = LLM(model="smollm2-135m", dtype=dtype, kv_cache_memory=f"{KV_CACHE_GIB}GiB")
-        from kvledger.layers import cpu_kernels
+        from kvledger.kernels import cpu_kernels
 
         if not cpu_kernels.loaded():  # torch's own operators would be measured, not kvledger's step
             print(f"  kvledger's CPU kernels are not built ({cpu_kernels.reason()}): its rows measure torch's "

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 from kvledger.errors import KVLedgerError
 from kvledger.layers.attention import AttentionMetadata, PrefillChunk
-from kvledger.layers.paged_kv import KVCache
-from kvledger.layers.quantized_kv import make_kv_cache
+from kvledger.kvcache.storage import KVCache
+from kvledger.kvcache.quantized_storage import make_kv_cache
 from kvledger.spec.dtypes import KV_QUALITY_DEFAULT_KINDS as DEFAULT_KINDS
 
 DEFAULT_TEXT_SOURCE = "the Python language reference (pydoc_data.topics, shipped with Python; PSF License)"

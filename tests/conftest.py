@@ -28,7 +28,7 @@ def engine_llm():
     return LLM(model="smollm2-135m", dtype="float32", kv_cache_memory="256MiB", max_num_batched_tokens=64, block_size=16)
 
 
-# ---- CPU kernels (tests of kvledger/layers/csrc) ------------------------------------------------
+# ---- CPU kernels (tests of kvledger/kernels/csrc) ------------------------------------------------
 CPU_CAPABILITY_FLAGS = {
     "avx2": {"avx2", "fma", "f16c"},
     "avx512": {"avx512f", "avx512dq", "avx512vl", "avx512bw"},
@@ -54,7 +54,7 @@ def capability(request):
     """Runs a kernel test module once per vector capability of kvledger's CPU kernels (the test ids
     end in ``[avx2]``, ``[avx512]``): skipped where the CPU lacks it, a failure where the CPU has it
     and its kernels do not load. Modules take it with ``pytestmark = pytest.mark.usefixtures("capability")``."""
-    from kvledger.layers import cpu_kernels
+    from kvledger.kernels import cpu_kernels
 
     name = request.param
     if not CPU_CAPABILITY_FLAGS[name] <= cpu_flags():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.engine.block_pool import BlockPool, hash_block
+from kvledger.kvcache.block_pool import BlockPool, hash_block
 from kvledger.errors import KVLedgerError
 
 

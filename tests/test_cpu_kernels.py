@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 
-from kvledger.layers import cpu_kernels
+from kvledger.kernels import cpu_kernels
 from tests.conftest import CPU_CAPABILITY_FLAGS, cpu_flags
 
-LOAD = ("from kvledger.layers import cpu_kernels as c; ok = c.loaded(); "
+LOAD = ("from kvledger.kernels import cpu_kernels as c; ok = c.loaded(); "
         "print('loaded' if ok else 'not loaded: ' + c.reason())")
 
 
@@ -82,7 +82,7 @@ def test_no_vector_capability_falls_back_and_says_so_once():
     the process reports the kernels not loaded, and its log says why in one line, once, however
     often the engine asks."""
     code = (LOAD + "; c.loaded(); c.vector_width(); c.reason(); "
-            "from kvledger.layers import paged_decode; import torch; "
+            "from kvledger.kernels import paged_decode; import torch; "
             "print(paged_decode.supports(torch.device('cpu'), torch.float32, 9, 3, 64))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
                           env={**os.environ, cpu_kernels.CAPABILITY_ENV: "default"})

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.engine.block_pool import BlockPool
+from kvledger.kvcache.block_pool import BlockPool
 from kvledger.engine.config import EngineConfig
-from kvledger.engine.kv_cache_manager import KVCacheManager, kv_cache_groups
+from kvledger.kvcache.groups import kv_cache_groups
+from kvledger.kvcache.manager import KVCacheManager
 from kvledger.engine.sampling_params import SamplingParams
 from kvledger.engine.scheduler import Scheduler
 from kvledger.engine.sequence import Request

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvledger.layers.kv_quant import dequantize_int8, quantize_int8
-from kvledger.layers.paged_kv import KVCache
-from kvledger.layers.quantized_kv import Fp8KVCache, Int8KVCache, make_kv_cache
+from kvledger.kvcache.quantization import dequantize_int8, quantize_int8
+from kvledger.kvcache.storage import KVCache
+from kvledger.kvcache.quantized_storage import Fp8KVCache, Int8KVCache, make_kv_cache
 
 L, BLOCKS, BS, H, D = 2, 3, 2, 1, 4
 
@@ -88,7 +88,7 @@ def test_int8_beats_fp8_on_relative_error_for_gaussian_vectors():
 
 @pytest.mark.parametrize("fp8", ["float8_e4m3fn", "float8_e5m2"])
 def test_fast_fp8_decode_equals_torchs_cast_for_every_byte(fp8):
-    from kvledger.layers.kv_quant import dequantize_fp8, widen_fp8
+    from kvledger.kvcache.quantization import dequantize_fp8, widen_fp8
 
     raw = torch.arange(256, dtype=torch.uint8).view(getattr(torch, fp8))
     finite = raw.float().isfinite()

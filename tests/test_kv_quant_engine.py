@@ -114,7 +114,7 @@ def test_unknown_kv_dtype_is_one_line_exit_2():
 
 
 def test_fp8_without_torch_float8_is_a_clear_error(monkeypatch):
-    from kvledger.layers.kv_quant import fp8_dtype
+    from kvledger.kvcache.storage import torch_dtype as fp8_dtype
 
     monkeypatch.delattr(torch, "float8_e5m2")
     with pytest.raises(KVLedgerError, match="int8"):

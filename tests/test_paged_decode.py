@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvledger.layers import cpu_kernels, paged_decode
+from kvledger.kernels import cpu_kernels, paged_decode
 from kvledger.layers.attention import DecodeGroup, decode_attention
-from kvledger.layers.paged_decode import paged_decode_attention
-from kvledger.layers.paged_kv import KVCache
-from kvledger.layers.quantized_kv import make_kv_cache
+from kvledger.kernels.paged_decode import paged_decode_attention
+from kvledger.kvcache.storage import KVCache
+from kvledger.kvcache.quantized_storage import make_kv_cache
 from tests.engine_helpers import tokens_and_last_logits
 
 pytestmark = pytest.mark.usefixtures("capability")  # every test under each vector capability

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvledger.layers import cpu_kernels, paged_prefill
-from kvledger.layers.paged_prefill import paged_prefill_attention
+from kvledger.kernels import cpu_kernels, paged_prefill
+from kvledger.kernels.paged_prefill import paged_prefill_attention
 from tests.engine_helpers import tokens_and_last_logits
 
 pytestmark = pytest.mark.usefixtures("capability")  # every test under each vector capability

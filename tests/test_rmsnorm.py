@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvledger.layers import cpu_kernels
+from kvledger.kernels import cpu_kernels
 from kvledger.layers.rmsnorm import RMSNorm
 
 pytestmark = pytest.mark.usefixtures("capability")  # every test under each vector capability

@@ -1,4 +1,4 @@
-"""kvledger's RoPE and SwiGLU-gate CPU kernels (kvledger/layers/csrc/rotary.cpp, silu_and_mul.cpp)
+"""kvledger's RoPE and SwiGLU-gate CPU kernels (kvledger/kernels/csrc/rotary.cpp, silu_and_mul.cpp)
 against the torch operators they replace, written out here: equal, not merely close, in float32
 and bfloat16, for a decode token, a few tokens and a prompt, with queries and keys as a strided
 view of the fused q/k/v rows as the model hands them over."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvledger.layers import cpu_kernels
+from kvledger.kernels import cpu_kernels
 from kvledger.layers.activation import silu_and_mul
 from kvledger.layers.rotary import apply_rotary
 

@@ -152,9 +152,9 @@ def test_a_size_that_cannot_split_the_heads_is_refused_before_any_rank_starts(on
 def test_a_killed_rank_ends_the_engine_with_one_error(tp3):
     """Last in the module: it ends the shared TP-3 engine."""
     from kvledger import SamplingParams
-    from kvledger.distributed.executor import RankFailure
+    from kvledger.distributed.ranks import RankFailure
 
-    victim = tp3.executor.procs[1]
+    victim = tp3.runner.ranks.procs[1]
     tp3.add_request("long", list(range(100, 140)), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
     tp3.add_request("short", list(range(200, 210)), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
     for _ in range(2):

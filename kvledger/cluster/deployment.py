@@ -152,9 +152,9 @@ class EngineReplica:
 
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose engine stopped (a TP rank died) is restarted."""
-        executor = self.engine.executor
-        if executor is not None and executor.failure is not None:
-            raise RuntimeError(executor.failure)
+        failure = self.engine.runner.failure
+        if failure is not None:
+            raise RuntimeError(failure)
 
 
 def label_series(text: str, replica: str) -> list[tuple[str, str, float]]:
@@ -242,7 +242,7 @@ class Ingress:
     async def __call__(self, request: Any) -> Any:
         from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-        from kvledger.engine.block_pool import prefix_block_hashes
+        from kvledger.kvcache.block_pool import prefix_block_hashes
 
         path = request.url.path
         body = await request.body()

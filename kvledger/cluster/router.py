@@ -1,7 +1,7 @@
 """The prefix-affinity request router for Ray Serve: the replica that recently took the longest run
 of this prompt's leading block hashes, unless it is overloaded.
 
-The ingress computes each prompt's chained block hashes (:func:`~kvledger.engine.block_pool.prefix_block_hashes`,
+The ingress computes each prompt's chained block hashes (:func:`~kvledger.kvcache.block_pool.prefix_block_hashes`,
 the keys the replicas' pools cache blocks under) and passes them as the ``block_hashes`` keyword of
 the call; this router remembers, per replica, the hashes it sent there (the newest
 ``memory_blocks``, about a pool's worth) as its estimate of that replica's prefix cache. The choice

@@ -37,7 +37,7 @@ import os
 import torch
 
 from kvledger.layers.attention import AttentionMetadata, attention_step
-from kvledger.layers.paged_kv import KVCache
+from kvledger.kvcache.storage import KVCache
 
 COMPILE_ENV = "KVLEDGER_COMPILE"
 

@@ -29,11 +29,7 @@ from typing import Any
 
 import torch
 
-from kvledger.engine.block_pool import BlockPool
-from kvledger.engine.compile import compile_enabled
-from kvledger.engine.config import (CPU_KV_CACHE_MAX, CPU_KV_CACHE_SHARE, GPU_MEMORY_UTILIZATION, EngineConfig,
-                                     default_block_size)
-from kvledger.engine.kv_cache_manager import FULL_ATTENTION, KVCacheGroup, KVCacheManager
+from kvledger.engine.config import EngineConfig
 from kvledger.engine.model_runner import ModelRunner
 from kvledger.engine.outputs import CompletionOutput, KVGroupLedger, KVLedger, RequestOutput, StepRecord
 from kvledger.engine.sampler import sample
@@ -41,140 +37,27 @@ from kvledger.engine.sampling_params import SamplingParams
 from kvledger.engine.scheduler import Scheduler, SchedulerOutput
 from kvledger.engine.sequence import Request
 from kvledger.errors import KVLedgerError, ParameterError
-from kvledger.layers.paged_kv import TORCH_DTYPES
-from kvledger.layers.quantized_kv import make_kv_cache
-from kvledger.spec.dtypes import PER_LAYER_SCALE_DTYPES
-from kvledger.units import available_ram_bytes, format_bytes
+from kvledger.kvcache.block_pool import BlockPool
+from kvledger.kvcache.groups import NULL_BLOCK, KVCacheGroup, first_live_block
+from kvledger.kvcache.manager import KVCacheManager
+from kvledger.kvcache.storage import KVCache
+from kvledger.spec import ModelSpec
+from kvledger.spec.kv_bytes import KVBytes
 
 
 log = logging.getLogger("kvledger.engine")
-
-
-def _pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise KVLedgerError("--device cuda asked for but no CUDA device is available; use --device cpu")
-    return torch.device(name)
-
-
-def _device_memory(device: torch.device) -> tuple[int, int]:
-    """(free, total) bytes of the device the pool goes on: CUDA's own figures, or the host's
-    available and total RAM on CPU."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return int(free), int(total)
-    import os
-
-    return available_ram_bytes(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class LLMEngine:
     """Paged-KV inference engine: scheduler + block pool + model runner + detokenizer."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoTokenizer
-
-        from kvledger.loader.resolve import converted_dir, resolve_model
-        from kvledger.loader.safetensors import load_safetensors_state_dict, read_config
-        from kvledger.models.llama import LlamaForCausalLM
-        from kvledger.spec import ModelSpec, kv_bytes, resolve_kv_cache_dtype
-
-        self.device = _pick_device(config.device)
-        if config.block_size is None:
-            config = dataclasses.replace(config, block_size=default_block_size(self.device.type))
-        self.config = config
-        dtype_name = "float32" if config.dtype == "auto" else config.dtype
-        self.dtype = TORCH_DTYPES[dtype_name]
-        checkpoint = resolve_model(config.model)
-        self.model_name = checkpoint.name
-        model_dir = converted_dir(checkpoint)
-        self.hf_config = read_config(model_dir)
-        from kvledger.models import gemma3
-        from kvledger.models.llama import SUPPORTED_MODEL_TYPES
-
-        model_class: Any = LlamaForCausalLM
-        if self.hf_config.get("model_type") in gemma3.SUPPORTED_MODEL_TYPES:
-            model_class = gemma3.Gemma3ForCausalLM
-        elif self.hf_config.get("model_type") not in SUPPORTED_MODEL_TYPES:
-            raise KVLedgerError(f"{self.model_name}: model_type {self.hf_config.get('model_type')!r} is not supported by "
-                                f"the engine; supported: {', '.join(SUPPORTED_MODEL_TYPES + gemma3.SUPPORTED_MODEL_TYPES)}")
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or model_dir))
-        except (OSError, ValueError) as err:
-            raise KVLedgerError(f"no tokenizer loads from {config.tokenizer or model_dir}: "
-                                f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
-        self.eos_token_ids = self._eos_ids(model_dir)
-
-        # Eq 2.2 for one token (on one rank), from the model spec (pure Python), in the cache's dtype.
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype_name)
-        self.spec = ModelSpec.from_config_dict({**self.hf_config, "torch_dtype": dtype_name}, name=self.model_name)
-        self.tensor_parallel_size = tp = config.tensor_parallel_size
-        self.kv_bytes = kv_bytes(self.spec, self.kv_cache_dtype, tensor_parallel_size=tp)  # raises for a bad TP
-        self.executor = None
-        if tp > 1:  # ranks 1..tp-1 start loading their shards while rank 0 loads its own here
-            if model_class is not LlamaForCausalLM:
-                raise KVLedgerError(f"--tensor-parallel-size {tp}: the engine shards the Llama family only, "
-                                    f"not {self.model_name} ({self.hf_config.get('model_type')}); use --tensor-parallel-size 1")
-            from kvledger.distributed.executor import TPExecutor
-
-            self.executor = TPExecutor(tp, model_dir, self.hf_config, self.dtype, self.device)
-            model = self.executor.model
-        else:
-            with torch.device("meta"):
-                model = model_class(self.hf_config)
-            model = model.to_empty(device=self.device).to(self.dtype)
-            model.load_hf_state_dict(load_safetensors_state_dict(model_dir, self.dtype))
-        self.model = model.eval()
-        self.bytes_per_token = self.kv_bytes.bytes_per_token
-        bs = config.block_size
-        # KV-cache groups: one of every layer, or (sliding + full layers) groups of equal size whose
-        # blocks page one group's layers each; the cache tensor holds that many layers.
-        self.kv_groups = getattr(model, "kv_groups", None) or [KVCacheGroup(FULL_ATTENTION, tuple(range(self.spec.num_layers)))]
-        cache_layers = max(len(g.layers) for g in self.kv_groups)
-        if len(self.kv_groups) > 1 and self.kv_cache_dtype in PER_LAYER_SCALE_DTYPES:
-            raise KVLedgerError(f"--kv-cache-dtype {self.kv_cache_dtype} keeps one scale per layer, but {self.model_name}'s "
-                                "KV groups share cache layers; use int8 (per-token scales) or a 16/32-bit cache")
-        num_blocks = config.num_gpu_blocks_override or self.kv_bytes.num_pages(self._kv_cache_memory(), bs)
-        pool_bytes = self.kv_bytes.pages_bytes(num_blocks, bs) * (tp if self.device.type == "cpu" else 1)  # CPU ranks share RAM
-        free, _ = _device_memory(self.device)
-        if pool_bytes > free:  # checked before allocating: a pool that cannot fit would exhaust the machine
-            flag = "--num-gpu-blocks-override" if config.num_gpu_blocks_override else "--kv-cache-memory"
-            raise KVLedgerError(f"the KV pool of {num_blocks:,} blocks needs {format_bytes(pool_bytes)} but the "
-                                f"{self.device.type} has {format_bytes(free)} free; lower {flag}")
-        max_pos = int(self.hf_config.get("max_position_embeddings") or 2048)
-        if config.max_model_len is None:
-            self.max_model_len = self._longest_fitting(max_pos, num_blocks)
-        else:
-            self.max_model_len = config.max_model_len
-            if self.max_model_len > max_pos:
-                raise KVLedgerError(f"--max-model-len {self.max_model_len} exceeds the model's "
-                                    f"max_position_embeddings {max_pos}")
-        self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)  # raises for no blocks
-        if self._request_blocks(self.max_model_len) > num_blocks:
-            raise KVLedgerError(
-                f"the KV pool holds {num_blocks} blocks x {bs} tokens = {num_blocks * bs} tokens "
-                f"({self.bytes_per_token} bytes/token) but one request of --max-model-len {self.max_model_len} tokens "
-                f"may need {self._request_blocks(self.max_model_len)} blocks; "
-                "give more --kv-cache-memory or a smaller --max-model-len")
-        if self.executor is None:
-            self.cache = make_kv_cache(self.kv_cache_dtype, cache_layers, num_blocks, bs, self.spec.num_kv_heads,
-                                       self.spec.head_dim, self.dtype, self.device)
-            self.model.set_rope(self.max_model_len)
-            # the compiled step serves the Llama family (its attention operator counts layers in order)
-            compiled = compile_enabled(config.enforce_eager) and model_class is LlamaForCausalLM
-            self.runner: ModelRunner | Any = ModelRunner(self.model, self.cache, self.device, self.kv_groups, compiled)
-        else:  # every rank allocates its own heads' cache; the pool's blocks are the minimum over ranks
-            from kvledger.distributed.executor import CacheSpec
-
-            self.cache = self.executor.start_cache(CacheSpec(
-                self.kv_cache_dtype, self.spec.num_layers, num_blocks, bs, self.kv_bytes.kv_heads,
-                self.spec.head_dim, self.max_model_len))
-            if self.executor.cache_spec.num_blocks < num_blocks:
-                num_blocks = self.executor.cache_spec.num_blocks
-                self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
-            self.runner = self.executor
-        self.kv_manager = KVCacheManager(self.pool, bs, self.kv_groups)
+        self.runner = ModelRunner(config)  # every rank: the model (or its shard) and its KV cache
+        self.config = config = self.runner.config  # the block size resolved for the device
+        self.tokenizer = self._load_tokenizer()
+        self.eos_token_ids = self._eos_ids(self.runner.model_dir)
+        self.pool = BlockPool(self.runner.num_blocks, enable_caching=config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(self.pool, config.block_size, self.kv_groups)
         self.scheduler = Scheduler(config, self.kv_manager)
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
@@ -182,51 +65,23 @@ class LLMEngine:
         self.num_steps = 0
         self.step_records: list[StepRecord] | None = None
         """Set to a list to have every step that ran appended to it (batch, tokens, wall time)."""
-        self.vocab_size = int(self.hf_config["vocab_size"])
         # draws of requests without their own seed (vLLM's --seed); None leaves them to torch's global generator
         self.generator = None if config.seed is None else torch.Generator(self.device).manual_seed(config.seed)
 
     # ---- set-up helpers -------------------------------------------------------------------
-    def _request_blocks(self, num_tokens: int) -> int:
-        """The most blocks one request of ``num_tokens`` tokens can hold at once: every block in a
-        full group; in a sliding group its window plus the largest prefill chunk, and one more
-        for a window that does not start at a block's edge."""
-        bs, chunk = self.config.block_size, self.config.max_num_batched_tokens
-        blocks = -(-num_tokens // bs)
-        return sum(blocks if g.sliding_window is None else min(blocks, -(-(g.sliding_window + chunk) // bs) + 1)
-                   for g in self.kv_groups)
+    def _load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
 
-    def _longest_fitting(self, max_pos: int, num_blocks: int) -> int:
-        """The longest request (at most ``max_pos`` tokens) whose blocks always fit the pool."""
-        lo, hi = 0, max_pos
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._request_blocks(mid) <= num_blocks:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def _kv_cache_memory(self) -> int:
-        if self.config.kv_cache_memory is not None:
-            return int(self.config.kv_cache_memory)
-        if self.config.gpu_memory_utilization is not None:  # vLLM's: a share of the device (of RAM on CPU), less what is in use
-            free, total = _device_memory(self.device)
-            budget = int(total * self.config.gpu_memory_utilization) - (total - free)
-            if budget <= 0:
-                raise KVLedgerError(f"--gpu-memory-utilization {self.config.gpu_memory_utilization} leaves no room for "
-                                    f"the KV pool: {format_bytes(total - free)} of {format_bytes(total)} is in use")
-            return budget
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * GPU_MEMORY_UTILIZATION)
-        # per rank: on CPU the ranks share the host's RAM
-        return int(min(available_ram_bytes() * CPU_KV_CACHE_SHARE, CPU_KV_CACHE_MAX)) // self.tensor_parallel_size
+        source = self.config.tokenizer or self.runner.model_dir
+        try:
+            return AutoTokenizer.from_pretrained(str(source))
+        except (OSError, ValueError) as err:
+            raise KVLedgerError(f"no tokenizer loads from {source}: "
+                                f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks (nothing to do at TP 1); the engine runs no steps after."""
-        if self.executor is not None:
-            self.executor.shutdown()
+        self.runner.shutdown()
 
     def _eos_ids(self, model_dir: Path) -> frozenset[int]:
         ids: set[int] = set()
@@ -240,6 +95,64 @@ class LLMEngine:
             elif isinstance(value, list):
                 ids.update(int(v) for v in value)
         return frozenset(ids)
+
+    # ---- what the runner built, by name -----------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    @property
+    def cache(self) -> KVCache:
+        return self.runner.cache
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.dtype
+
+    @property
+    def model_name(self) -> str:
+        return self.runner.model_name
+
+    @property
+    def hf_config(self) -> dict[str, Any]:
+        return self.runner.hf_config
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.runner.spec
+
+    @property
+    def kv_bytes(self) -> KVBytes:
+        """Eq 2.2 for one token on one rank, in the cache's dtype."""
+        return self.runner.kv_bytes
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.runner.kv_cache_dtype
+
+    @property
+    def kv_groups(self) -> list[KVCacheGroup]:
+        return self.runner.kv_groups
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.config.tensor_parallel_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.kv_bytes.bytes_per_token
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
 
     @property
     def num_blocks(self) -> int:
@@ -421,7 +334,7 @@ class LLMEngine:
         allocated = self.pool.num_blocks - self.pool.num_free_blocks
         tokens_used = self._tokens_used()
         ranks = self.tensor_parallel_size
-        rank_bytes = self.executor.rank_measured_bytes if self.executor is not None else [self.cache.measured_bytes]
+        rank_bytes = self.runner.rank_measured_bytes
         stats = self.kv_manager.stats
         kvb = self.kv_bytes
         predicted = kvb.pages_bytes(self.num_blocks, bs)  # per rank
@@ -475,8 +388,6 @@ class LLMEngine:
         running requests are the ones holding blocks, a sliding group holds exactly its window's
         blocks, and :meth:`_tokens_used` equals a walk over every block of every table (each
         block filled as far as the most advanced of its holders)."""
-        from kvledger.engine.kv_cache_manager import NULL_BLOCK, first_live_block
-
         self.kv_manager.check_integrity()
         tables = self.kv_manager.block_tables
         assert set(tables) == {r.request_id for r in self.scheduler.running}, "block tables are not the running requests"

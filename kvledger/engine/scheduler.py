@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvledger.engine.config import EngineConfig
-from kvledger.engine.kv_cache_manager import KVCacheManager
+from kvledger.kvcache.manager import KVCacheManager
 from kvledger.engine.sequence import Request, RequestStatus
 
 

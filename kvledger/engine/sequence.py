@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from kvledger.engine.block_pool import BlockHash, hash_block
+from kvledger.kvcache.block_pool import BlockHash, hash_block
 from kvledger.engine.sampling_params import SamplingParams
 
 

@@ -6,7 +6,7 @@ first (:meth:`KVCache.write`), then attention runs:
 
 * decodes: on CPU, over a cache that stores the compute dtype (float32, bfloat16) or 8 bits an
   element (int8, fp8), one call of the decode kernel per group reads K/V where they lie in the
-  blocks (:mod:`kvledger.layers.paged_decode`; ``AttentionMetadata.decode_in_place``). Otherwise one
+  blocks (:mod:`kvledger.kernels.paged_decode`; ``AttentionMetadata.decode_in_place``). Otherwise one
   attention call per group, queries ``[B, H, 1, d]`` against K/V gathered through the block
   tables ``[B, H_kv, T, d]``, padding positions masked by an additive mask built once per
   step. Decodes come sorted by context length and split into groups whose longest context is
@@ -15,7 +15,7 @@ first (:meth:`KVCache.write`), then attention runs:
   unscaled (:class:`DecodeKV`) and :func:`decode_attention` applies the scales to the scores
   and the probabilities, so the context is never dequantized into a full-size copy;
 * prefill chunks: on CPU, over a cache that stores the compute dtype, the prefill kernel reads
-  K/V in place for a first chunk and a later one alike (:mod:`kvledger.layers.paged_prefill`;
+  K/V in place for a first chunk and a later one alike (:mod:`kvledger.kernels.paged_prefill`;
   ``AttentionMetadata.prefill_in_place``; bfloat16 on the matrix unit where the CPU has AMX).
   Otherwise a chunk that starts
   at position 0 runs causal SDPA over its own fresh K/V, and a later chunk (chunked prefill,
@@ -46,9 +46,9 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from kvledger.layers.paged_decode import paged_decode_attention
-from kvledger.layers.paged_prefill import paged_prefill_attention
-from kvledger.layers.paged_kv import DecodeKV, KVCache
+from kvledger.kernels.paged_decode import paged_decode_attention
+from kvledger.kernels.paged_prefill import paged_prefill_attention
+from kvledger.kvcache.storage import DecodeKV, KVCache
 
 
 @dataclass
@@ -101,7 +101,7 @@ class DecodeGroup:
     mask: torch.Tensor | None  # [B, 1, 1, max_len] added to the scores: 0 within a context, -inf past
     # its end, in the compute dtype; None when every context is max_len long (or read in place)
     context_lens: torch.Tensor | None = None  # [B] tokens per sequence, for reading in place
-    # (kvledger.layers.paged_decode); None when the step gathers instead, and for sliding windows
+    # (kvledger.kernels.paged_decode); None when the step gathers instead, and for sliding windows
 
     @staticmethod
     def padding_mask(lengths: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -128,10 +128,10 @@ class AttentionMetadata:
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_in_place: bool = False
-    """Decode groups with ``context_lens`` read their K/V in place (:mod:`kvledger.layers.paged_decode`)
+    """Decode groups with ``context_lens`` read their K/V in place (:mod:`kvledger.kernels.paged_decode`)
     instead of gathering them; set by the model runner where the kernel serves the cache."""
     prefill_in_place: bool = False
-    """Prefill chunks without a sliding window read their K/V in place (:mod:`kvledger.layers.paged_prefill`)
+    """Prefill chunks without a sliding window read their K/V in place (:mod:`kvledger.kernels.paged_prefill`)
     instead of SDPA over fresh or gathered K/V; set by the model runner where the kernel serves the cache."""
 
 

@@ -2,7 +2,7 @@
 a decode step, oneDNN with the weight prepacked once for more.
 
 * **One row to a few dozen** (decode steps; :func:`panel_rows` says how many on this CPU):
-  kvledger's ``panel_linear`` (:mod:`kvledger.layers.cpu_kernels`) on a copy of the weight laid
+  kvledger's ``panel_linear`` (:mod:`kvledger.kernels.panel_linear`) on a copy of the weight laid
   out in panels of 32 output columns (16 with AVX2), each one forward stream of memory; the rows
   are taken in groups whose accumulators stay in registers, so a few rows read the weight at
   memory speed and a few dozen keep the FMA units busy. float32 and bfloat16 weights, with
@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvledger.layers import cpu_kernels
+from kvledger.kernels import cpu_kernels, panel_linear as kernel
 
 SMALL_BATCH_ROWS = 2
 """Up to this many rows, a bfloat16 product on a CPU without bfloat16 kernels and without
@@ -117,8 +117,8 @@ def pack_weight(weight: torch.Tensor, *, logits: bool = False) -> PackedWeight |
     w = weight.detach()
     rows = panel_rows(weight.dtype)
     panels = None
-    if rows and w.dim() == 2 and w.shape[0] % cpu_kernels.ops().panel_width() == 0:
-        panels = cpu_kernels.ops().pack_panels(w.contiguous())
+    if rows and w.dim() == 2 and w.shape[0] % kernel.panel_width() == 0:
+        panels = kernel.pack_panels(w)
     if logits and panels is not None and cpu_kernels.vector_width() >= 16:  # AVX-512: PANEL_ROWS_AVX512
         return PackedWeight(None, panels, sys.maxsize)
     onednn = None
@@ -138,7 +138,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     :func:`pack_weight`'s copies of ``weight`` (used when given)."""
     if (packed is not None and packed.panels is not None and 1 <= x.shape[0] <= packed.panel_rows
             and _eager_cpu_operands(x, bias, residual) and x.dtype in cpu_kernels.KERNEL_DTYPES):
-        return cpu_kernels.ops().panel_linear(x, packed.panels, bias, residual)
+        return kernel.panel_linear(x, packed.panels, bias, residual)
     onednn = None if packed is None else packed.onednn
     if onednn is not None and onednn.dtype != x.dtype:  # bfloat16 through its float32 copy
         if x.shape[0] > SMALL_BATCH_ROWS:

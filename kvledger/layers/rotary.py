@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvledger.layers import cpu_kernels
+from kvledger.kernels import rotary as kernel
 
 
 def _inv_freq(config: dict[str, Any], head_dim: int, max_len: int) -> tuple[torch.Tensor, float]:
@@ -56,13 +56,11 @@ class RotaryEmbedding:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[N, heads, d]`` (queries and keys may be stacked along heads) by ``cos`` and
     ``sin`` ``[N, 1, d]``. On CPU, eager, in float32 and bfloat16 this is one call of kvledger's
-    ``rotary`` kernel (:mod:`kvledger.layers.cpu_kernels`), with the same roundings as the six
+    ``rotary`` kernel (:mod:`kvledger.kernels.rotary`), with the same roundings as the six
     torch operators below, which run elsewhere (and which inductor fuses in a compiled graph):
     2 against 15 us for a decode token of SmolLM2's 12 heads, 82 against 221 us for 512 tokens."""
-    if (x.device.type == "cpu" and x.dim() == 3 and x.stride(-1) == 1 and x.dtype == cos.dtype == sin.dtype
-            and x.dtype in cpu_kernels.KERNEL_DTYPES and not torch.compiler.is_compiling() and cpu_kernels.loaded()):
-        n = x.shape[0]
-        return cpu_kernels.ops().rotary(x, cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous())
+    if kernel.supports(x, cos, sin):
+        return kernel.rotary(x, cos, sin)
     return x * cos + _rotate_half(x) * sin
 
 

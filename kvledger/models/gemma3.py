@@ -20,12 +20,12 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from kvledger.engine.kv_cache_manager import KVCacheGroup, kv_cache_groups
+from kvledger.kvcache.groups import KVCacheGroup, kv_cache_groups
 from kvledger.errors import KVLedgerError
 from kvledger.layers.activation import gelu_tanh_and_mul
 from kvledger.layers.attention import AttentionMetadata, paged_attention
 from kvledger.layers.linear import Linear, PackedWeight, linear, pack_weight
-from kvledger.layers.paged_kv import KVCache
+from kvledger.kvcache.storage import KVCache
 from kvledger.layers.rmsnorm import RMSNorm
 from kvledger.layers.rotary import RotaryEmbedding, apply_rotary
 

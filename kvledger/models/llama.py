@@ -26,7 +26,7 @@ from kvledger.layers.activation import silu_and_mul
 from kvledger.layers.attention import AttentionMetadata, paged_attention
 from kvledger.layers.linear import Linear, PackedWeight, linear, pack_weight
 from kvledger.layers.parallel import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from kvledger.layers.paged_kv import KVCache
+from kvledger.kvcache.storage import KVCache
 from kvledger.layers.rmsnorm import RMSNorm
 from kvledger.layers.rotary import RotaryEmbedding, apply_rotary
 

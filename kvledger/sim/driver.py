@@ -22,9 +22,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
-from kvledger.engine.block_pool import BlockPool
+from kvledger.kvcache.block_pool import BlockPool
 from kvledger.engine.config import EngineConfig
-from kvledger.engine.kv_cache_manager import KVCacheManager
+from kvledger.kvcache.manager import KVCacheManager
 from kvledger.engine.outputs import StepRecord
 from kvledger.engine.scheduler import Scheduler, SchedulerOutput
 from kvledger.errors import KVLedgerError

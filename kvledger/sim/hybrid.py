@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvledger.engine.block_pool import BlockPool, blocks_for
-from kvledger.engine.kv_cache_manager import KVCacheManager
+from kvledger.kvcache.block_pool import BlockPool, blocks_for
+from kvledger.kvcache.manager import KVCacheManager
 from kvledger.errors import KVLedgerError
 
 

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from kvledger.engine.block_pool import hash_block
+from kvledger.kvcache.block_pool import hash_block
 from kvledger.engine.sampling_params import SamplingParams
 from kvledger.engine.sequence import Request
 from kvledger.workload.traces import MOONCAKE_BLOCK_TOKENS

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import itertools
 
-from kvledger.engine.block_pool import BlockPool
-from kvledger.engine.kv_cache_manager import KVCacheManager
+from kvledger.kvcache.block_pool import BlockPool
+from kvledger.kvcache.manager import KVCacheManager
 from kvledger.errors import KVLedgerError
 from kvledger.sim.driver import Replica, Router
 from kvledger.sim.requests import SimRequest

@@ -44,9 +44,15 @@ PER_TOKEN_SCALE_BYTES: dict[str, int] = {"int8": 2, "int8_per_token_head": 4, "f
 """Bytes of the scale each token keeps per KV head, for K and for V."""
 PER_LAYER_SCALE_DTYPES: tuple[str, ...] = ("fp8", "fp8_e4m3", "fp8_e5m2")
 """Caches with one float32 K scale and one V scale per layer (and none per token)."""
+STORAGE_DTYPES: dict[str, str] = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                                  "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+                                  "int8": "int8", "float64": "float64"}
+"""The element each engine cache stores, by the name of its torch dtype (torch-free here; the
+one torch mapping that reads it is :func:`kvledger.kvcache.storage.torch_dtype`). fp8 formats
+are their float8 dtypes; int8 is int8 (its float16 scales apart)."""
 # float64 is no serving dtype, but the verify artifact runs in it.
 KV_CACHE_DTYPE_BYTES["float64"] = 8
-_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 # Quantized kinds store scales beside the elements; see scale_bytes_per_token in kv_bytes.
 QUANTIZED_KV_DTYPES: tuple[str, ...] = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head",
                                         "int4_per_token_head")
@@ -63,9 +69,9 @@ def is_fp8(kv_cache_dtype: str) -> bool:
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
     """The concrete dtype name: ``auto`` becomes the model's dtype."""
-    name = _ALIASES.get(kv_cache_dtype.lower(), kv_cache_dtype.lower())
+    name = DTYPE_ALIASES.get(kv_cache_dtype.lower(), kv_cache_dtype.lower())
     if name == "auto":
-        name = _ALIASES.get(model_dtype.lower(), model_dtype.lower())
+        name = DTYPE_ALIASES.get(model_dtype.lower(), model_dtype.lower())
         if name not in KV_CACHE_DTYPE_BYTES:
             raise KVLedgerError(f"the model's dtype {model_dtype!r} is not a KV-cache dtype; pass --kv-cache-dtype")
     if name not in KV_CACHE_DTYPE_BYTES:

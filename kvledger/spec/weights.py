@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass
 
 from kvledger.errors import KVLedgerError
+from kvledger.spec.dtypes import DTYPE_ALIASES
 from kvledger.spec.model_spec import ModelSpec
 
 WEIGHT_DTYPE_BYTES: dict[str, float] = {
@@ -44,7 +45,6 @@ WEIGHT_DTYPE_BYTES: dict[str, float] = {
 """``--weights-dtype``: every parameter at this size (a what-if, not a checkpoint)."""
 MODEL_DTYPES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 """vLLM's ``--dtype`` values and their bytes per element (``auto`` is the config's)."""
-_DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 RUNTIME_QUANTIZATIONS: tuple[str, ...] = ("fp8",)
 """vLLM ``--quantization`` methods that quantize an unquantized checkpoint at load time."""
 CHECKPOINT_QUANT_METHODS: tuple[str, ...] = ("fp8", "mxfp4", "awq", "gptq", "compressed-tensors")
@@ -307,14 +307,14 @@ def mxfp4_expert_bytes(spec: ModelSpec, tensor_parallel_size: int = 1, backend: 
 
 def checkpoint_dtype(spec: ModelSpec) -> str:
     """The dtype the checkpoint's tensors are stored in: the config's ``torch_dtype``."""
-    name = _DTYPE_ALIASES.get(spec.torch_dtype.lower(), spec.torch_dtype.lower())
+    name = DTYPE_ALIASES.get(spec.torch_dtype.lower(), spec.torch_dtype.lower())
     return name if name in MODEL_DTYPES else "bfloat16"
 
 
 def model_dtype(spec: ModelSpec, dtype: str | None = None) -> str:
     """vLLM's ``--dtype`` resolved: ``auto`` (or None) is the checkpoint's dtype, except that vLLM
     serves a float32 checkpoint in bfloat16 unless ``--dtype float32`` is given."""
-    name = _DTYPE_ALIASES.get((dtype or "auto").lower(), (dtype or "auto").lower())
+    name = DTYPE_ALIASES.get((dtype or "auto").lower(), (dtype or "auto").lower())
     if name == "auto":
         stored = checkpoint_dtype(spec)
         return "bfloat16" if stored == "float32" else stored

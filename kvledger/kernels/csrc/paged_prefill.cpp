@@ -507,13 +507,9 @@ void paged_prefill(at::Tensor out, const at::Tensor& q, const at::Tensor& k_pool
   TORCH_CHECK(block_table.numel() * k_pool.size(1) >= num_computed + q.size(0),
               "paged_prefill: block_table covers fewer positions than the context");
   if (q.size(0) == 0) return;
-  if (q.scalar_type() == at::kFloat) {
-    prefill_dim<float>(out, q, k_pool, v_pool, block_table, num_computed, scale);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    prefill_dim<c10::BFloat16>(out, q, k_pool, v_pool, block_table, num_computed, scale);
-  } else {
-    TORCH_CHECK(false, "paged_prefill: float32 or bfloat16 only, got ", q.scalar_type());
-  }
+  kvledger_cpu::dispatch_float(q.scalar_type(), "paged_prefill", [&](auto t) {
+    prefill_dim<decltype(t)>(out, q, k_pool, v_pool, block_table, num_computed, scale);
+  });
 }
 
 }  // namespace

@@ -8,14 +8,14 @@ on ATen's vector types) reads each key and value once for all the query heads th
 and splits a long context of few sequences into spans that both cores work on, merged as
 flash-decoding does. vLLM's CPU backend has kernels of its own for the same reason.
 
-It is one of kvledger's CPU kernels (:mod:`kvledger.layers.cpu_kernels`: built on first use,
+It is one of kvledger's CPU kernels (:mod:`kvledger.kernels.cpu_kernels`: built on first use,
 cached on disk). It serves float32 and bfloat16 models on CPU whose cache stores the compute
 dtype or 8 bits an element (int8 with its per-token scales, fp8 E4M3 or E5M2 with its per-layer
 ones: the bytes are widened as they are read and the scales applied to the scores and
-probabilities, :meth:`kvledger.layers.paged_kv.KVCache.layer_pools`), with ``head_dim`` a
+probabilities, :meth:`kvledger.kvcache.storage.KVCache.layer_pools`), with ``head_dim`` a
 multiple of the vector width and at most 16 query heads per KV head; elsewhere (CUDA, sliding
 windows, a bfloat16 cache under a float32 model), or where the kernels cannot be built,
-attention gathers the context instead (:meth:`kvledger.layers.paged_kv.KVCache.gather_decode`).
+attention gathers the context instead (:meth:`kvledger.kvcache.storage.KVCache.gather_decode`).
 
 Measured here (2 threads, SmolLM2's 9 query and 3 KV heads of 64, one layer, medians of repeated
 calls, so the pool is warm in cache) against the gather plus SDPA it replaces, for ``B``
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from kvledger.layers import cpu_kernels
-from kvledger.layers.paged_kv import LayerPools
+from kvledger.kernels import cpu_kernels
+from kvledger.kvcache.storage import LayerPools
 
 MAX_GROUP = 16
 """Query heads per KV head the kernel takes (``kMaxGroup`` in the C++)."""

@@ -23,52 +23,10 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Iterable, Sequence
 
-from kvledger.engine.block_pool import BlockHash, BlockPool, blocks_for
-from kvledger.engine.sequence import Request
-from kvledger.spec.kv_bytes import first_kept_block, kv_group_sizes
-
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
-NULL_BLOCK = -1
-"""A sliding-window table's entry for a block it gave back (its tokens left the window)."""
-
-
-@dataclass(frozen=True)
-class KVCacheGroup:
-    """Layers that share one block table per request: their ``attention`` type, the model's layer
-    indices, and the ``sliding_window`` in tokens (None for full attention)."""
-
-    attention: str
-    layers: tuple[int, ...]
-    sliding_window: int | None = None
-
-
-def kv_cache_groups(layer_types: Sequence[str], sliding_window: int | None) -> list[KVCacheGroup]:
-    """vLLM's grouping: each attention type's layers, in order, cut into groups of ``g`` layers,
-    ``g`` the smallest count of any type (one type: one group of every layer). The last group of
-    a type may hold fewer layers; its pages are paid for in full (:func:`vllm_page_layers`)."""
-    by_type: dict[str, list[int]] = {}
-    for i, kind in enumerate(layer_types):
-        by_type.setdefault(FULL_ATTENTION if kind == FULL_ATTENTION else SLIDING_ATTENTION, []).append(i)
-    if len(by_type) == 1:
-        kind, layers = next(iter(by_type.items()))
-        return [KVCacheGroup(kind, tuple(layers), sliding_window if kind == SLIDING_ATTENTION else None)]
-    size, _, _ = kv_group_sizes(len(by_type[FULL_ATTENTION]), len(by_type[SLIDING_ATTENTION]))
-    groups = []
-    for kind in (FULL_ATTENTION, SLIDING_ATTENTION):
-        layers = by_type[kind]
-        for start in range(0, len(layers), size):
-            groups.append(KVCacheGroup(kind, tuple(layers[start:start + size]),
-                                       sliding_window if kind == SLIDING_ATTENTION else None))
-    return groups
-
-
-def first_live_block(num_tokens: int, window: int | None, block_size: int) -> int:
-    """Index of the first block a group keeps for a request with ``num_tokens`` computed tokens:
-    0 for full attention, else the block holding the first of the last ``window`` tokens (the
-    planner's arithmetic, :func:`kvledger.spec.kv_bytes.first_kept_block`)."""
-    return first_kept_block(num_tokens, window, block_size)
-
+from kvledger.kvcache.block_pool import BlockHash, BlockPool, blocks_for
+from kvledger.kvcache.interface import SequenceLike as Request
+from kvledger.kvcache.groups import (FULL_ATTENTION, NULL_BLOCK, SLIDING_ATTENTION, KVCacheGroup, first_live_block,
+                                     kv_cache_groups)
 
 @dataclass
 class PrefixCacheStats:

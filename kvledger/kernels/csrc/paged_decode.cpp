@@ -497,13 +497,9 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_pool,
   TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "paged_decode: batch sizes disagree");
   const c10::Half* ks = token_scales(k_scales, k_pool, "k_scales");
   const c10::Half* vs = token_scales(v_scales, v_pool, "v_scales");
-  if (q.scalar_type() == at::kFloat) {
-    decode_pools<float>(out, q, k_pool, v_pool, block_tables, context_lens, scale, ks, vs, k_scale, v_scale);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    decode_pools<c10::BFloat16>(out, q, k_pool, v_pool, block_tables, context_lens, scale, ks, vs, k_scale, v_scale);
-  } else {
-    TORCH_CHECK(false, "paged_decode: float32 or bfloat16 queries only, got ", q.scalar_type());
-  }
+  kvledger_cpu::dispatch_float(q.scalar_type(), "paged_decode", [&](auto t) {
+    decode_pools<decltype(t)>(out, q, k_pool, v_pool, block_tables, context_lens, scale, ks, vs, k_scale, v_scale);
+  });
 }
 
 }  // namespace

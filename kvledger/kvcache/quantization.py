@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from kvledger.errors import KVLedgerError
 
 INT8_MAX = 127.0
 FP8_HEADROOM = 4.0
@@ -27,24 +26,9 @@ INT8_SCALE_DTYPE = torch.float16
 """int8's per-token, per-head scales are stored as float16."""
 _FLOAT16_TINY = 2.0 ** -24
 """The smallest positive float16 (subnormal): the floor of an int8 scale."""
-_FP8_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 _FP8_AS_FLOAT16 = {"float8_e4m3fn": (7, 256.0), "float8_e5m2": (8, 1.0)}
 """Per fp8 format: the left shift that puts a byte's exponent and mantissa into float16's
 fields, and the factor the resulting float16 is off by (2 ** the exponent-bias difference)."""
-
-
-def fp8_dtype(kv_cache_dtype: str) -> torch.dtype:
-    """The torch float8 dtype of an fp8 ``--kv-cache-dtype``, or a clear error when torch lacks it."""
-    name = _FP8_NAMES[kv_cache_dtype]
-    dtype = getattr(torch, name, None)
-    if dtype is None:
-        raise KVLedgerError(f"--kv-cache-dtype {kv_cache_dtype} needs torch.{name}, which this torch "
-                            f"{torch.__version__} lacks; upgrade torch or use --kv-cache-dtype int8")
-    return dtype
-
-
-def is_fp8(kv_cache_dtype: str) -> bool:
-    return kv_cache_dtype in _FP8_NAMES
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

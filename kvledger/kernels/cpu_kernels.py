@@ -3,9 +3,9 @@
 Six kernels, each where torch's general ones leave this CPU idle:
 
 * ``paged_decode`` (``csrc/paged_decode.cpp``): decode attention reading K/V where they lie in
-  the paged cache (:mod:`kvledger.layers.paged_decode`);
+  the paged cache (:mod:`kvledger.kernels.paged_decode`);
 * ``paged_prefill`` (``csrc/paged_prefill.cpp``): causal attention of a prefill chunk reading
-  K/V where they lie in the paged cache (:mod:`kvledger.layers.paged_prefill`);
+  K/V where they lie in the paged cache (:mod:`kvledger.kernels.paged_prefill`);
 * ``rms_norm`` (``csrc/rms_norm.cpp``): RMSNorm in one call (:mod:`kvledger.layers.rmsnorm`);
 * ``rotary`` (``csrc/rotary.cpp``) and ``silu_and_mul`` (``csrc/silu_and_mul.cpp``): RoPE and
   SwiGLU's gate in one call each, equal to the torch operators they replace
@@ -279,3 +279,11 @@ def attention_operands(q: torch.Tensor, out: torch.Tensor | None) -> tuple[torch
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return (q if q.stride(-1) == 1 else q.contiguous()), out
+
+
+def runs_eagerly_on(x: torch.Tensor) -> bool:
+    """True when a kernel may take ``x`` now: a CPU tensor of a kernel dtype, outside a graph that
+    ``torch.compile`` traces (where torch's operators run and inductor fuses them), with the
+    kernels loaded. Each wrapper adds the shape conditions of its own kernel."""
+    return (x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and not torch.compiler.is_compiling()
+            and loaded())

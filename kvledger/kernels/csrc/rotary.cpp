@@ -70,13 +70,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "rotary: x, cos and sin must share a dtype");
   at::Tensor y = at::empty(x.sizes(), x.options());
-  if (x.scalar_type() == at::kFloat) {
-    rotate<float>(x, cos, sin, y);
-  } else if (x.scalar_type() == at::kBFloat16) {
-    rotate<c10::BFloat16>(x, cos, sin, y);
-  } else {
-    TORCH_CHECK(false, "rotary: float32 or bfloat16 only, got ", x.scalar_type());
-  }
+  kvledger_cpu::dispatch_float(x.scalar_type(), "rotary", [&](auto t) { rotate<decltype(t)>(x, cos, sin, y); });
   return y;
 }
 

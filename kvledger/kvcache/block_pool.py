@@ -21,7 +21,7 @@ from typing import Iterable, Mapping, Sequence
 
 from kvledger.errors import KVLedgerError
 
-BlockHash = bytes
+from kvledger.kvcache.interface import BlockHash
 _ROOT_HASH = b"kvledger-prefix-root"
 
 
@@ -59,8 +59,7 @@ class BlockPool:
     """Free queue, reference counts and the hash -> block map of prefix caching."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise KVLedgerError(f"the KV cache has room for {num_blocks} blocks; give it more memory (--kv-cache-memory)")
+        self.check_size(num_blocks)
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -69,6 +68,12 @@ class BlockPool:
         self._num_cached_free = 0  # free blocks that still carry a hash, kept up to date by every change
         self._changed: list[int] = []  # blocks that lost their prefix or entered/left the free queue (bounded)
         self._changed_base = 0  # changes before _changed[0]
+
+    @staticmethod
+    def check_size(num_blocks: int) -> None:
+        """Refuse a pool without a block (before anything is allocated for it)."""
+        if num_blocks < 1:
+            raise KVLedgerError(f"the KV cache has room for {num_blocks} blocks; give it more memory (--kv-cache-memory)")
 
     # ---- queries -------------------------------------------------------------------------
     @property

@@ -57,14 +57,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight must share a dtype");
   at::Tensor y = at::empty_like(x);
   const int64_t M = x.size(0), D = x.size(1);
-  if (x.scalar_type() == at::kFloat) {
-    norm_rows<float>(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), M, D, static_cast<float>(eps));
-  } else if (x.scalar_type() == at::kBFloat16) {
-    norm_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(),
-                             M, D, static_cast<float>(eps));
-  } else {
-    TORCH_CHECK(false, "rms_norm: float32 or bfloat16 only, got ", x.scalar_type());
-  }
+  kvledger_cpu::dispatch_float(x.scalar_type(), "rms_norm", [&](auto t) {
+    using T = decltype(t);
+    norm_rows<T>(x.data_ptr<T>(), weight.data_ptr<T>(), y.data_ptr<T>(), M, D, static_cast<float>(eps));
+  });
   return y;
 }
 

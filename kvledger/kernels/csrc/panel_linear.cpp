@@ -134,13 +134,6 @@ void product(const at::Tensor& x, const at::Tensor& panels, const std::optional<
   });
 }
 
-template <typename TX>
-void dispatch_weight(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                     const std::optional<at::Tensor>& residual, at::Tensor& y) {
-  if (panels.scalar_type() == at::kFloat) product<TX, float>(x, panels, bias, residual, y);
-  else product<TX, c10::BFloat16>(x, panels, bias, residual, y);
-}
-
 at::Tensor pack_panels(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_panels: weight must be [N, K]");
   TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
@@ -156,8 +149,6 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
   TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(1) == x.size(1) && panels.size(2) == kPanel,
               "panel_linear: panels must be pack_panels' [N / ", kPanel, ", K, ", kPanel, "]");
   const auto xt = x.scalar_type(), wt = panels.scalar_type();
-  TORCH_CHECK((xt == at::kFloat || xt == at::kBFloat16) && (wt == at::kFloat || wt == at::kBFloat16),
-              "panel_linear: float32 or bfloat16 only");
   const int64_t N = panels.size(0) * kPanel;
   if (bias) TORCH_CHECK(bias->scalar_type() == xt && bias->is_contiguous() && bias->numel() == N,
                         "panel_linear: bias must be [N] of x's dtype");
@@ -165,8 +156,11 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
                                 && residual->size(0) == x.size(0) && residual->size(1) == N,
                             "panel_linear: residual must be a contiguous [M, N] of x's dtype");
   at::Tensor y = at::empty({x.size(0), N}, x.options());
-  if (xt == at::kFloat) dispatch_weight<float>(x, panels, bias, residual, y);
-  else dispatch_weight<c10::BFloat16>(x, panels, bias, residual, y);
+  kvledger_cpu::dispatch_float(xt, "panel_linear", [&](auto tx) {
+    kvledger_cpu::dispatch_float(wt, "panel_linear", [&](auto tw) {
+      product<decltype(tx), decltype(tw)>(x, panels, bias, residual, y);
+    });
+  });
   return y;
 }
 

@@ -1,13 +1,13 @@
 """8-bit paged KV caches: one byte per element in the block pool, plus scales.
 
-Same layout and the same two operations as :class:`~kvledger.layers.paged_kv.KVCache`
+Same layout and the same two operations as :class:`~kvledger.kvcache.storage.KVCache`
 (``write`` by slot, ``gather`` by block table); quantization happens on write and
 dequantization on read, so nothing else in the engine changes. Decode steps on CPU read the
-8-bit elements in place (``layer_pools``, for :mod:`kvledger.layers.paged_decode`, which widens
+8-bit elements in place (``layer_pools``, for :mod:`kvledger.kernels.paged_decode`, which widens
 them as it reads); elsewhere they read through ``gather_decode``: the 8-bit values widened to the
 compute dtype but not multiplied by their scales. Either way attention applies the scales to the
 scores and probabilities (as the CUDA kernels of serving engines do), so no dequantized copy of
-the context is made. The formats are in :mod:`kvledger.layers.kv_quant`:
+the context is made. The formats are in :mod:`kvledger.kvcache.quantization`:
 
 * :class:`Int8KVCache`: int8 elements and a float16 scale per token, per KV head, for K and
   for V, kept in ``scales`` ``[L, 2, num_blocks, block_size, H_kv]`` beside the blocks, so a
@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import torch
 
-from kvledger.layers.kv_quant import (
-    INT8_SCALE_DTYPE, SCALE_DTYPE, dequantize_fp8, dequantize_int8, fp8_dtype, fp8_scale_for, quantize_fp8, quantize_int8,
+from kvledger.kvcache.quantization import (
+    INT8_SCALE_DTYPE, SCALE_DTYPE, dequantize_fp8, dequantize_int8, fp8_scale_for, quantize_fp8, quantize_int8,
     widen_fp8,
 )
-from kvledger.layers.paged_kv import DecodeKV, KVCache, LayerPools
+from kvledger.kvcache.storage import DecodeKV, KVCache, LayerPools, torch_dtype
+from kvledger.spec.dtypes import PER_LAYER_SCALE_DTYPES
 
 
 class Int8KVCache(KVCache):
@@ -83,7 +84,7 @@ class Fp8KVCache(KVCache):
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  compute_dtype: torch.dtype, kv_cache_dtype: str = "fp8", device: torch.device | str = "cpu") -> None:
-        self.fp8 = fp8_dtype(kv_cache_dtype)
+        self.fp8 = torch_dtype(kv_cache_dtype)
         super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, torch.uint8, device, compute_dtype)
         self.scales = torch.ones(num_layers, 2, dtype=SCALE_DTYPE, device=device)
         self._scale_values: list[tuple[float, float] | None] = [None] * num_layers  # host copies of ``scales``
@@ -123,13 +124,10 @@ class Fp8KVCache(KVCache):
 def make_kv_cache(kv_cache_dtype: str, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                   head_dim: int, compute_dtype: torch.dtype, device: torch.device | str = "cpu") -> KVCache:
     """The cache for a resolved ``--kv-cache-dtype`` (not ``auto``): plain, int8 or fp8."""
-    from kvledger.layers.kv_quant import is_fp8
-    from kvledger.layers.paged_kv import resolve_kv_dtype
-
     if kv_cache_dtype == "int8":
         return Int8KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, compute_dtype, device)
-    if is_fp8(kv_cache_dtype):
+    if kv_cache_dtype in PER_LAYER_SCALE_DTYPES:
         return Fp8KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, compute_dtype,
                           kv_cache_dtype, device)
     return KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim,
-                   resolve_kv_dtype(kv_cache_dtype, compute_dtype), device, compute_dtype)
+                   torch_dtype(kv_cache_dtype), device, compute_dtype)

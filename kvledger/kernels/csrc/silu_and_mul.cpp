@@ -52,13 +52,10 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
               "silu_and_mul: gate_up must be a contiguous [M, 2I]");
   const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
   at::Tensor y = at::empty({M, I}, gate_up.options());
-  if (gate_up.scalar_type() == at::kFloat) {
-    gate_rows<float>(gate_up.data_ptr<float>(), y.data_ptr<float>(), M, I);
-  } else if (gate_up.scalar_type() == at::kBFloat16) {
-    gate_rows<c10::BFloat16>(gate_up.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), M, I);
-  } else {
-    TORCH_CHECK(false, "silu_and_mul: float32 or bfloat16 only, got ", gate_up.scalar_type());
-  }
+  kvledger_cpu::dispatch_float(gate_up.scalar_type(), "silu_and_mul", [&](auto t) {
+    using T = decltype(t);
+    gate_rows<T>(gate_up.data_ptr<T>(), y.data_ptr<T>(), M, I);
+  });
   return y;
 }
 

@@ -5,7 +5,7 @@ Layout: one tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_
 ``s % block_size``. Its size is exactly Eq 2.2: ``2 * L * H_kv * d_h * s`` bytes per token
 times ``num_blocks * block_size`` tokens.
 
-Quantized storage (int8/fp8 with scales, :mod:`kvledger.layers.quantized_kv`) overrides the
+Quantized storage (int8/fp8 with scales, :mod:`kvledger.kvcache.quantized_storage`) overrides the
 same methods: :meth:`KVCache.write` quantizes, :meth:`KVCache.gather` dequantizes,
 :meth:`KVCache.gather_decode` hands attention the 8-bit values widened but unscaled, with the
 scales beside them, and :meth:`KVCache.layer_pools` hands the in-place kernels a layer's pools as
@@ -22,22 +22,20 @@ from dataclasses import dataclass
 import torch
 
 from kvledger.errors import KVLedgerError
+from kvledger.spec.dtypes import DTYPE_ALIASES, STORAGE_DTYPES
 
-#: torch dtypes by name: ``--dtype`` values and the ``--kv-cache-dtype`` values this cache stores
-#: natively (``auto`` means the model's dtype).
-TORCH_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-
-
-def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The torch dtype of the cache for a ``--kv-cache-dtype`` value (``auto`` = the model dtype)."""
-    if kv_cache_dtype == "auto":
-        return model_dtype
-    if kv_cache_dtype not in TORCH_DTYPES:
-        raise KVLedgerError(
-            f"--kv-cache-dtype {kv_cache_dtype!r} is not supported by the engine yet; use auto, float32, bfloat16 or float16"
-        )
-    return TORCH_DTYPES[kv_cache_dtype]
+def torch_dtype(name: str) -> torch.dtype:
+    """The one mapping from a dtype name to torch: a ``--dtype`` value or alias, or an engine
+    ``--kv-cache-dtype`` (its stored element, :data:`kvledger.spec.dtypes.STORAGE_DTYPES`); a
+    one-line error when this torch lacks it (the float8 types on an old torch)."""
+    attr = STORAGE_DTYPES.get(DTYPE_ALIASES.get(name, name))
+    if attr is None:
+        raise KVLedgerError(f"dtype {name!r} is not one the engine stores; use one of {', '.join(STORAGE_DTYPES)}")
+    dtype = getattr(torch, attr, None)
+    if not isinstance(dtype, torch.dtype):
+        raise KVLedgerError(f"--kv-cache-dtype {name} needs torch.{attr}, which this torch {torch.__version__} "
+                            f"lacks; upgrade torch or use --kv-cache-dtype int8")
+    return dtype
 
 
 @dataclass
@@ -87,7 +85,7 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 @dataclass
 class LayerPools:
     """One layer's K and V block pools as the in-place attention kernels read them
-    (:mod:`kvledger.layers.paged_decode`): the stored elements, never a copy, and their scales.
+    (:mod:`kvledger.kernels.paged_decode`): the stored elements, never a copy, and their scales.
 
     The real keys are ``k * k_scales * k_scale`` (per token and KV head, then per layer), and
     the real values likewise."""

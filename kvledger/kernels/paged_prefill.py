@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import torch
 
-from kvledger.layers import cpu_kernels
+from kvledger.kernels import cpu_kernels
 
 HEAD_DIMS = (64, 128, 256)
 """Head sizes the kernel is built for."""
