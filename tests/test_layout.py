@@ -16,7 +16,9 @@ import kvledger
 PACKAGE = Path(kvledger.__file__).parent
 
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("errors", "units"),
+    ("__init__",),  # the package: its version; ``LLM`` and ``SamplingParams`` are looked up lazily
+    ("errors",),
+    ("units",),
     ("plotting",),
     ("spec",),
     ("config",),
@@ -35,7 +37,6 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("client",),
     ("cluster",),
     ("cli",),
-    ("__init__",),
 )
 """Low to high. Parts on one floor do not import each other."""
 
@@ -56,6 +57,10 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+def _is_part(name: str) -> bool:
+    return (PACKAGE / name / "__init__.py").exists() or (PACKAGE / f"{name}.py").exists()
+
+
 def _imports(path: Path, name: str) -> list[tuple[int, str]]:
     """(line, module) of every kvledger import in ``path`` (module ``name``), at any depth
     (inside functions too), relative ones resolved."""
@@ -70,8 +75,9 @@ def _imports(path: Path, name: str) -> list[tuple[int, str]]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if target == "kvledger":  # ``from kvledger import engine``: the names are the modules
-                found += [(node.lineno, f"kvledger.{alias.name}") for alias in node.names]
+            if target == "kvledger":  # ``from kvledger import engine``: a part; ``__version__``: the package
+                found += [(node.lineno, f"kvledger.{alias.name}" if _is_part(alias.name) else "kvledger")
+                          for alias in node.names]
             else:
                 found.append((node.lineno, target))
     return [(line, module) for line, module in found if module == "kvledger" or module.startswith("kvledger.")]

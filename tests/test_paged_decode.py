@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (kvledger/layers/paged_decode.py) against the gather plus SDPA it
+"""The CPU decode-attention kernel (kvledger/kernels/paged_decode.py) against the gather plus SDPA it
 replaces, on tiny caches: padded tables, contexts that end inside a block, blocks out of order,
 GQA, a query with strided rows, a long single context split into spans, and the 8-bit caches
 (int8 with per-token scales, fp8 E4M3 and E5M2 with per-layer ones) read as bytes."""

@@ -1,4 +1,4 @@
-"""The CPU prefill-attention kernel (kvledger/layers/paged_prefill.py) against causal SDPA over the
+"""The CPU prefill-attention kernel (kvledger/kernels/paged_prefill.py) against causal SDPA over the
 same K/V gathered, on tiny caches: a first chunk and later ones, contexts that end inside a block
 and inside a key tile, blocks out of order, GQA and plain multi-head, the head sizes it is built
 for, strided query rows, and the engine with the kernel against the engine without it."""

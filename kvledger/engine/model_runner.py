@@ -31,7 +31,7 @@ from kvledger.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvledger.errors import KVLedgerError
 from kvledger.kernels import paged_decode, paged_prefill
 from kvledger.kvcache.block_pool import BlockPool, blocks_for
-from kvledger.kvcache.groups import KVCacheGroup, first_live_block, longest_fitting, request_blocks
+from kvledger.kvcache.groups import first_live_block, longest_fitting, request_blocks
 from kvledger.kvcache.quantized_storage import make_kv_cache
 from kvledger.kvcache.storage import torch_dtype
 from kvledger.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk

@@ -7,7 +7,7 @@ them (if the step fails, :meth:`KVCacheManager.uncache_unwritten` takes them bac
 full blocks are hashed and shared; a request's last, partly filled block is its own.
 
 **KV-cache groups** (hybrid models such as Gemma-3): layers of one attention type are cut into
-groups of equal size (:func:`kv_cache_groups`), every group has its own block table per request,
+groups of equal size (:func:`kvledger.kvcache.groups.kv_cache_groups`), every group has its own block table per request,
 and all of them draw on the one pool, whose block is a page of one group's layers. A
 sliding-window group holds only the blocks that still hold one of the last ``window`` tokens
 (:meth:`KVCacheManager.free_out_of_window`); the slots of the blocks it gave back read
@@ -24,9 +24,9 @@ from itertools import islice
 from typing import Iterable, Sequence
 
 from kvledger.kvcache.block_pool import BlockHash, BlockPool, blocks_for
+from kvledger.kvcache.groups import FULL_ATTENTION, NULL_BLOCK, KVCacheGroup, first_live_block
 from kvledger.kvcache.interface import SequenceLike as Request
-from kvledger.kvcache.groups import (FULL_ATTENTION, NULL_BLOCK, SLIDING_ATTENTION, KVCacheGroup, first_live_block,
-                                     kv_cache_groups)
+
 
 @dataclass
 class PrefixCacheStats:

@@ -123,11 +123,11 @@ class Fp8KVCache(KVCache):
 
 def make_kv_cache(kv_cache_dtype: str, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                   head_dim: int, compute_dtype: torch.dtype, device: torch.device | str = "cpu") -> KVCache:
-    """The cache for a resolved ``--kv-cache-dtype`` (not ``auto``): plain, int8 or fp8."""
+    """The cache for a ``--kv-cache-dtype``: plain (``auto``: the compute dtype), int8 or fp8."""
     if kv_cache_dtype == "int8":
         return Int8KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, compute_dtype, device)
     if kv_cache_dtype in PER_LAYER_SCALE_DTYPES:
         return Fp8KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, compute_dtype,
                           kv_cache_dtype, device)
     return KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim,
-                   torch_dtype(kv_cache_dtype), device, compute_dtype)
+                   compute_dtype if kv_cache_dtype == "auto" else torch_dtype(kv_cache_dtype), device, compute_dtype)
