@@ -32,9 +32,9 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("models",),
     ("engine",),
     ("sim",),
-    ("quality",),
+    ("evaluate",),
     ("server",),
-    ("client",),
+    ("loadgen",),
     ("cluster",),
     ("cli",),
 )
@@ -110,3 +110,13 @@ def test_the_walk_sees_function_level_and_relative_imports(tmp_path):
                      "class C:\n    def g(self):\n        from ..models import llama\n        from . import sampler\n")
     assert _imports(probe, "kvledger.engine.probe") == [(4, "kvledger.cli"), (8, "kvledger.models"),
                                                         (9, "kvledger.engine")]
+
+
+def test_the_engine_is_built_in_a_page():
+    """``LLMEngine.__init__`` only wires the parts (runner, pool, manager, scheduler): at most 40 lines."""
+    import inspect
+
+    from kvledger.engine.llm_engine import LLMEngine
+
+    lines = inspect.getsource(LLMEngine.__init__).splitlines()
+    assert len(lines) <= 40, f"LLMEngine.__init__ is {len(lines)} lines"
