@@ -40,6 +40,8 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from kvledger.config import CPU_BLOCK_SIZE
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import free_port, serving  # noqa: E402
 from ceilings import TRACES  # noqa: E402
@@ -262,7 +264,8 @@ def accuracy(num_prompts: int, profile: Path, quick: bool, rates: list[float] | 
 
 # ------------------------------------------------------------------------------------------- vLLM
 DEFAULT_PEER = Path.home() / ".cache" / "kvledger-peers" / "vllm"
-VLLM_BLOCK_SIZE = 128
+VLLM_BLOCK_SIZE = CPU_BLOCK_SIZE
+"""vLLM's block on a CPU, where it sets none (its peer here runs on the CPU)."""
 VLLM_KV_GIB = 2
 
 

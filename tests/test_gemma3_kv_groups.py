@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvledger.config import EngineConfig
 from kvledger.engine.block_pool import BlockPool
-from kvledger.engine.config import EngineConfig
 from kvledger.engine.kv_cache_manager import KVCacheManager, kv_cache_groups
 from kvledger.engine.sampling_params import SamplingParams
 from kvledger.engine.scheduler import Scheduler

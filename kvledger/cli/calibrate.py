@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         return write_and_report(profile, report, args)
     from datetime import datetime, timezone
 
-    from kvledger.engine.config import EngineConfig
+    from kvledger.config import EngineConfig
     from kvledger.engine.llm_engine import LLMEngine
     from kvledger.engine.sampling_params import SamplingParams
     from kvledger.sim.calibrate import fit, grid, measure

@@ -8,9 +8,9 @@ from typing import Any
 
 from kvledger.cli.common import (add_kv_cache_dtype, add_mamba_ssm_cache_dtype, fraction, positive_int, print_json,
                                  rate, size, token_count)
+from kvledger.config import CUDA_BLOCK_SIZE, GPU_MEMORY_UTILIZATION, VLLM_BLOCK_SIZES
 from kvledger.spec.hybrid import DEFAULT_VLLM_VERSION, OLDEST_VLLM_VERSION
 from kvledger.planner.bandwidth import CROSSOVER_CONTEXT, DEFAULT_BANDWIDTH_EFFICIENCY
-from kvledger.planner.memory_wall import DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION, VLLM_BLOCK_SIZES
 from kvledger.spec.weights import MODEL_DTYPES, RUNTIME_QUANTIZATIONS, WEIGHT_DTYPE_BYTES
 from kvledger.units import GiB
 
@@ -23,8 +23,8 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPU from the catalog, e.g. a100-80gb, h100-80gb, l4 ('--gpu list' lists the catalog)")
     p.add_argument("--gpu-memory", type=size, metavar="SIZE",
                    help="override the card's memory (bytes or e.g. 80GiB); default: what the device reports")
-    p.add_argument("--gpu-memory-utilization", type=fraction, default=DEFAULT_GPU_MEMORY_UTILIZATION, metavar="F",
-                   help=f"share of the card the engine may claim (default {DEFAULT_GPU_MEMORY_UTILIZATION}, vLLM's)")
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=GPU_MEMORY_UTILIZATION, metavar="F",
+                   help=f"share of the card the engine may claim (default {GPU_MEMORY_UTILIZATION}, vLLM's)")
     p.add_argument("--overhead", type=size, metavar="SIZE",
                    help="replaces the sum of activation peak, non-torch and CUDA-graph memory")
     p.add_argument("--activation-memory", type=size, metavar="SIZE", help="override the activation-peak estimate")
@@ -40,7 +40,7 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1, metavar="N",
                    help="pipeline stages; layers split, numbers are the last stage's card (default 1)")
     p.add_argument("--block-size", type=int, default=None, choices=VLLM_BLOCK_SIZES, metavar="N",
-                   help=f"tokens per KV block: {', '.join(map(str, VLLM_BLOCK_SIZES))} (default {DEFAULT_BLOCK_SIZE}; "
+                   help=f"tokens per KV block: {', '.join(map(str, VLLM_BLOCK_SIZES))} (default {CUDA_BLOCK_SIZE}; "
                         "a hybrid model's block is raised until one page holds a layer's state, as vLLM does)")
     p.add_argument("--dtype", default="auto", choices=("auto", *MODEL_DTYPES), metavar="D",
                    help=f"vLLM's --dtype for weights and activations: auto, {', '.join(MODEL_DTYPES)} "

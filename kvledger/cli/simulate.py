@@ -6,8 +6,8 @@ import argparse
 from typing import Any
 
 from kvledger.cli.common import add_kv_cache_dtype, fraction, positive_float, positive_int, simulated_request_rate, size
-from kvledger.planner.memory_wall import (DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION,
-                                          DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS)
+from kvledger.config import (CUDA_BLOCK_SIZE, GPU_MEMORY_UTILIZATION, LARGE_CARD_MAX_NUM_BATCHED_TOKENS,
+                             LARGE_CARD_MAX_NUM_SEQS)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -45,14 +45,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--find-replicas", action="store_true",
                    help="search the smallest --replicas that meets --slo (default SLO ttft_p99=2s,tpot_p99=100ms)")
     g = p.add_argument_group("engine (vLLM flag names; defaults are vLLM's, as in plan)")
-    g.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE)
-    g.add_argument("--max-num-seqs", type=positive_int, default=DEFAULT_MAX_NUM_SEQS)
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    g.add_argument("--block-size", type=positive_int, default=CUDA_BLOCK_SIZE)
+    g.add_argument("--max-num-seqs", type=positive_int, default=LARGE_CARD_MAX_NUM_SEQS)
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=LARGE_CARD_MAX_NUM_BATCHED_TOKENS)
     g.add_argument("--max-model-len", type=positive_int, default=None,
                    help="prompts are cut so prompt + output fits (default: the model's context, capped by the pool)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     add_kv_cache_dtype(g, default=None)
-    g.add_argument("--gpu-memory-utilization", type=fraction, default=DEFAULT_GPU_MEMORY_UTILIZATION)
+    g.add_argument("--gpu-memory-utilization", type=fraction, default=GPU_MEMORY_UTILIZATION)
     g.add_argument("--kv-cache-memory", type=size, default=None, metavar="SIZE", help="KV pool bytes per replica")
     g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None, metavar="N")
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N")
@@ -70,7 +70,7 @@ DEFAULT_FIND_SLO = "ttft_p99=2s,tpot_p99=100ms"
 
 def setup(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(ModelSpec, Fleet, SLO or None) from the flags; every bad value is a KVLedgerError."""
-    from kvledger.engine.config import EngineConfig
+    from kvledger.config import EngineConfig
     from kvledger.errors import KVLedgerError
     from kvledger.metrics.serving import parse_slo
     from kvledger.sim.routers import ROUTERS

@@ -130,7 +130,7 @@ def _worker(rank: int, spec: ShardSpec) -> None:
     # the pool's block count is the minimum over ranks: a CUDA rank with less free memory lowers it
     mine = cache_spec.num_blocks
     if device.type == "cuda":
-        from kvledger.engine.config import GPU_MEMORY_UTILIZATION
+        from kvledger.config import GPU_MEMORY_UTILIZATION
 
         per_block = _block_bytes(cache_spec, spec.dtype)
         mine = min(mine, int(torch.cuda.mem_get_info(device)[0] * GPU_MEMORY_UTILIZATION) // per_block)

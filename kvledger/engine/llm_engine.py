@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
+from kvledger.config import (CPU_KV_CACHE_MAX, CPU_KV_CACHE_SHARE, GPU_MEMORY_UTILIZATION, EngineConfig,
+                             default_block_size)
 from kvledger.engine.block_pool import BlockPool
 from kvledger.engine.compile import compile_enabled
-from kvledger.engine.config import (CPU_KV_CACHE_MAX, CPU_KV_CACHE_SHARE, GPU_MEMORY_UTILIZATION, EngineConfig,
-                                     default_block_size)
 from kvledger.engine.kv_cache_manager import FULL_ATTENTION, KVCacheGroup, KVCacheManager
 from kvledger.engine.model_runner import ModelRunner
 from kvledger.engine.outputs import CompletionOutput, KVGroupLedger, KVLedger, RequestOutput, StepRecord

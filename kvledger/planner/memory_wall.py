@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
+from kvledger.config import (CUDA_BLOCK_SIZE, GPU_MEMORY_UTILIZATION, LARGE_CARD_MAX_NUM_BATCHED_TOKENS,
+                             LARGE_CARD_MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, VLLM_BLOCK_SIZES)
 from kvledger.errors import KVLedgerError
 from kvledger.planner.gpus import GPU, kv_dtype_warning
 from kvledger.spec import ModelSpec, kv_bytes
@@ -41,24 +43,9 @@ from kvledger.spec.hybrid import DEFAULT_VLLM_VERSION, HybridLayout, layout_for,
 from kvledger.spec.weights import MODEL_DTYPES, WeightBytes, model_dtype, weight_bytes_breakdown
 from kvledger.units import GiB, MiB
 
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
-"""vLLM's default ``--gpu-memory-utilization``."""
-DEFAULT_BLOCK_SIZE = 16
-"""vLLM's default ``--block-size`` on CUDA (tokens per block)."""
-VLLM_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
-"""The ``--block-size`` values vLLM accepts on CUDA."""
 LARGE_CARD_BYTES = 70 * GiB
-"""vLLM raises its serving defaults on cards of at least this much memory, the A100 excepted."""
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-"""Tokens in vLLM's profiling forward pass for ``vllm serve`` on a large card (its log:
-"Defaulting max_num_batched_tokens to 8192 for OPENAI_API_SERVER usage context")."""
-SMALL_CARD_MAX_NUM_BATCHED_TOKENS = 2048
-"""The same default on smaller cards and on the A100."""
-DEFAULT_MAX_NUM_SEQS = 1024
-"""vLLM's ``--max-num-seqs`` for serving on a large card ("Defaulting max_num_seqs to 1024"):
-the sampler's profiling batch."""
-SMALL_CARD_MAX_NUM_SEQS = 256
-"""The same default on smaller cards and on the A100."""
+"""vLLM raises its serving defaults on cards of at least this much memory, the A100 excepted
+(``LARGE_CARD_MAX_NUM_SEQS``, ``LARGE_CARD_MAX_NUM_BATCHED_TOKENS``)."""
 
 # ----- the activation peak of the profiling pass (calibrated on the validation table)
 SAMPLER_FP32_COPIES = 3
@@ -120,12 +107,12 @@ TP_HINT_SIZES = (2, 4, 8, 16, 32, 64)
 def default_max_num_seqs(gpu: GPU) -> int:
     """vLLM's serving default of ``--max-num-seqs`` on ``gpu``: 1024 on cards of 70 GiB and
     more except the A100, else 256."""
-    return DEFAULT_MAX_NUM_SEQS if _large_card(gpu) else SMALL_CARD_MAX_NUM_SEQS
+    return LARGE_CARD_MAX_NUM_SEQS if _large_card(gpu) else MAX_NUM_SEQS
 
 
 def default_max_num_batched_tokens(gpu: GPU) -> int:
     """vLLM's serving default of ``--max-num-batched-tokens`` on ``gpu``: 8192 on large cards, else 2048."""
-    return DEFAULT_MAX_NUM_BATCHED_TOKENS if _large_card(gpu) else SMALL_CARD_MAX_NUM_BATCHED_TOKENS
+    return LARGE_CARD_MAX_NUM_BATCHED_TOKENS if _large_card(gpu) else MAX_NUM_BATCHED_TOKENS
 
 
 def _large_card(gpu: GPU) -> bool:
@@ -149,8 +136,8 @@ class Overheads:
 
 
 def activation_peak_bytes(spec: ModelSpec, tensor_parallel_size: int = 1,
-                          max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                          max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, act_bytes: int = 2) -> int:
+                          max_num_batched_tokens: int = LARGE_CARD_MAX_NUM_BATCHED_TOKENS,
+                          max_num_seqs: int = LARGE_CARD_MAX_NUM_SEQS, act_bytes: int = 2) -> int:
     """Peak of PyTorch's allocator in vLLM's profiling pass (bytes per rank), from the shapes.
 
     The sampler term dominates: ``max_num_seqs x vocab x (3 x 4 + act_bytes)`` (see
@@ -181,7 +168,7 @@ def non_torch_bytes(tensor_parallel_size: int = 1, pipeline_parallel_size: int =
     return NON_TORCH_BYTES
 
 
-def cuda_graph_capture_sizes(spec: ModelSpec, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> int:
+def cuda_graph_capture_sizes(spec: ModelSpec, max_num_seqs: int = LARGE_CARD_MAX_NUM_SEQS) -> int:
     """How many batch sizes vLLM captures: 1, 2, 4, every 8 to 256, every 16 above, up to
     ``min(max capture, 2 x max_num_seqs)`` (the architecture's max capture where vLLM raises it)."""
     archs = spec.config.get("architectures") or []
@@ -191,7 +178,7 @@ def cuda_graph_capture_sizes(spec: ModelSpec, max_num_seqs: int = DEFAULT_MAX_NU
     return len([n for n in sizes if n <= top])
 
 
-def cuda_graph_bytes(spec: ModelSpec, stage_layers: int, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> int:
+def cuda_graph_bytes(spec: ModelSpec, stage_layers: int, max_num_seqs: int = LARGE_CARD_MAX_NUM_SEQS) -> int:
     """CUDA graph memory vLLM captures after the pool is sized, per rank (bytes)."""
     per_size = CUDA_GRAPH_BYTES_PER_SIZE + CUDA_GRAPH_BYTES_PER_SIZE_LAYER * stage_layers
     return cuda_graph_capture_sizes(spec, max_num_seqs) * per_size
@@ -214,8 +201,8 @@ def stage_layers(spec: ModelSpec, pipeline_parallel_size: int = 1) -> int:
 
 def overheads(spec: ModelSpec, tensor_parallel_size: int = 1, *, overhead: int | None = None,
               activation: int | None = None, non_torch: int | None = None,
-              max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-              max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, pipeline_parallel_size: int = 1,
+              max_num_batched_tokens: int = LARGE_CARD_MAX_NUM_BATCHED_TOKENS,
+              max_num_seqs: int = LARGE_CARD_MAX_NUM_SEQS, pipeline_parallel_size: int = 1,
               act_bytes: int = 2) -> Overheads:
     """The in-budget overhead terms at ``tensor_parallel_size``: each user value (bytes per
     rank) where given, else its formula; ``overhead`` replaces their sum."""
@@ -263,8 +250,8 @@ class MemoryWall:
     dtype: str = "bfloat16"
     """The model dtype the weights and an ``auto`` cache take (vLLM's ``--dtype``)."""
     quantization: str | None = None
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = LARGE_CARD_MAX_NUM_SEQS
+    max_num_batched_tokens: int = LARGE_CARD_MAX_NUM_BATCHED_TOKENS
     cuda_graph_bytes: int = 0
     """Outside the pool: captured after it is sized (vLLM 0.19)."""
     cuda_context_bytes: int = CUDA_CONTEXT_BYTES
@@ -332,7 +319,7 @@ def plan_memory(
     spec: ModelSpec,
     gpu: GPU,
     *,
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
     kv_cache_dtype: str = "auto",
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
@@ -364,7 +351,7 @@ def plan_memory(
     rules = vllm_rules(vllm_version)
     given_block_size = block_size
     if block_size is None:
-        block_size = DEFAULT_BLOCK_SIZE
+        block_size = CUDA_BLOCK_SIZE
     for value, flag in ((block_size, "--block-size"), (tensor_parallel_size, "--tensor-parallel-size"),
                         (pipeline_parallel_size, "--pipeline-parallel-size")):
         if not isinstance(value, int) or value <= 0:
@@ -491,7 +478,7 @@ def _fitting_tp(spec: ModelSpec, kv_cache_dtype: str, block_size: int | None, pa
                                                                 last_stage=True)
         pool = requested - weights - overheads_at(size).total
         blocks = (layout_for(kvb, mla=spec.is_mla, block_size=block_size).num_blocks(pool) if spec.is_hybrid
-                  else kvb.num_blocks(pool, block_size or DEFAULT_BLOCK_SIZE))
+                  else kvb.num_blocks(pool, block_size or CUDA_BLOCK_SIZE))
         if blocks > 0:
             return size
     return None

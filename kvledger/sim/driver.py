@@ -22,8 +22,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
+from kvledger.config import EngineConfig
 from kvledger.engine.block_pool import BlockPool
-from kvledger.engine.config import EngineConfig
 from kvledger.engine.kv_cache_manager import KVCacheManager
 from kvledger.engine.outputs import StepRecord
 from kvledger.engine.scheduler import Scheduler, SchedulerOutput
