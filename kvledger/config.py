@@ -5,6 +5,7 @@ vLLM's engine arguments, and so are the defaults; the CLI's flags (``kvledger.cl
 declared from the fields and constants here.
 
 * :class:`EngineConfig` -- what shapes an engine (``kvledger generate``, ``kvledger serve``).
+* :class:`PlannerConfig` -- what shapes the memory wall of a card (``kvledger plan``, ``advise``).
 
 Sizes: the engine's ``kv_cache_memory`` is bytes for the KV block pool (an int, or a string such
 as ``"2GiB"``). When it is not given, CUDA takes ``GPU_MEMORY_UTILIZATION`` (90%) of the free
@@ -132,4 +133,44 @@ class EngineConfig:
         if unknown:
             raise KVLedgerError(f"unknown engine argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """What shapes the memory wall of one card, as vLLM would start on it (``kvledger plan``,
+    ``advise``, the simulator's pool): vLLM's engine arguments where it has them, beside the
+    planner's own overrides of its estimates (bytes per rank). ``None`` takes vLLM's default:
+    for ``block_size`` :data:`CUDA_BLOCK_SIZE` (a hybrid model's is raised to hold its state),
+    for ``max_num_seqs`` and ``max_num_batched_tokens`` vLLM's serving defaults for the card
+    (:data:`LARGE_CARD_MAX_NUM_SEQS` on cards of 70 GiB and more but the A100, else
+    :data:`MAX_NUM_SEQS`), for ``max_model_len`` the model's context. ``mamba_ssm_cache_dtype``,
+    ``enable_prefix_caching`` (``None``: the release's default) and ``vllm_version`` (``None``: the
+    newest modeled) matter only for hybrid models."""
+
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
+    kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    block_size: int | None = None
+    weights_dtype: str | None = None
+    """What-if: every weight at this size (``spec.weights.WEIGHT_DTYPE_BYTES``)."""
+    dtype: str | None = "auto"
+    """vLLM's ``--dtype`` for weights and activations; ``auto`` (or ``None``): the checkpoint's."""
+    quantization: str | None = None
+    overhead: int | None = None
+    """Replaces the sum of the activation peak and non-torch memory (the chapter's single term)."""
+    kv_cache_memory: int | None = None
+    """The KV pool per card, replacing the whole wall (vLLM's ``kv_cache_memory_bytes``)."""
+    activation: int | None = None
+    """Overrides the activation-peak estimate."""
+    non_torch: int | None = None
+    """Overrides the non-torch memory estimate."""
+    cuda_graph: int | None = None
+    """Overrides the CUDA-graph estimate (outside the pool)."""
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    mamba_ssm_cache_dtype: str = "auto"
+    enable_prefix_caching: bool | None = None
+    vllm_version: str | None = None
+    max_model_len: int | None = None
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvledger.cli.common import (add_kv_cache_dtype, add_mamba_ssm_cache_dtype, fraction, positive_int, print_json,
                                  rate, size, token_count)
-from kvledger.config import CUDA_BLOCK_SIZE, GPU_MEMORY_UTILIZATION, VLLM_BLOCK_SIZES
+from kvledger.config import CUDA_BLOCK_SIZE, GPU_MEMORY_UTILIZATION, VLLM_BLOCK_SIZES, PlannerConfig
 from kvledger.spec.hybrid import DEFAULT_VLLM_VERSION, OLDEST_VLLM_VERSION
 from kvledger.planner.bandwidth import CROSSOVER_CONTEXT, DEFAULT_BANDWIDTH_EFFICIENCY
 from kvledger.spec.weights import MODEL_DTYPES, RUNTIME_QUANTIZATIONS, WEIGHT_DTYPE_BYTES
@@ -92,13 +92,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def memory_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``plan_memory`` keyword arguments from the parsed flags."""
-    return dict(
+def planner_config(args: argparse.Namespace) -> PlannerConfig:
+    """The planner's settings from the parsed flags."""
+    return PlannerConfig(
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-        block_size=args.block_size, weights_dtype=args.weights_dtype,
-        dtype=None if args.dtype == "auto" else args.dtype, quantization=args.quantization,
+        block_size=args.block_size, weights_dtype=args.weights_dtype, dtype=args.dtype, quantization=args.quantization,
         overhead=args.overhead, kv_cache_memory=args.kv_cache_memory, activation=args.activation_memory,
         non_torch=args.non_torch_memory, cuda_graph=args.cuda_graph_memory,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
@@ -131,7 +130,7 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         raise KVLedgerError("--context needs --users: the bandwidth model is for N users of T tokens each")
     spec, gpu = resolve(args)
     check_context(spec, args.context, "--context")
-    wall = plan_memory(spec, gpu, **memory_kwargs(args))
+    wall = plan_memory(spec, gpu, planner_config(args))
     if args.max_model_len:
         error = check_max_model_len(spec, wall, args.max_model_len)
         if error:
