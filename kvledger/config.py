@@ -6,6 +6,7 @@ declared from the fields and constants here.
 
 * :class:`EngineConfig` -- what shapes an engine (``kvledger generate``, ``kvledger serve``).
 * :class:`PlannerConfig` -- what shapes the memory wall of a card (``kvledger plan``, ``advise``).
+* :class:`SimulatorConfig` -- a replicated engine on a virtual clock (``kvledger simulate``).
 
 Sizes: the engine's ``kv_cache_memory`` is bytes for the KV block pool (an int, or a string such
 as ``"2GiB"``). When it is not given, CUDA takes ``GPU_MEMORY_UTILIZATION`` (90%) of the free
@@ -174,3 +175,35 @@ class PlannerConfig:
     vllm_version: str | None = None
     max_model_len: int | None = None
 
+
+@dataclass(frozen=True)
+class SimulatorConfig:
+    """What ``kvledger simulate`` replays a trace on: ``replicas`` engines of ``model`` behind a
+    ``router``, each step timed by a card of the catalog (``gpu``) or a profile fitted on a real
+    engine (``profile``, written by ``kvledger calibrate``). The engine's settings are vLLM's, with
+    its defaults for a large card (the planner's, on an H100 or H200); the pool is the card's memory
+    wall (:class:`PlannerConfig`) unless ``kv_cache_memory`` or ``num_gpu_blocks_override`` sizes it.
+    ``kv_cache_dtype`` None: the profile's, else ``auto``."""
+
+    model: str
+    gpu: str | None = None
+    profile: str | None = None
+    block_size: int = CUDA_BLOCK_SIZE
+    max_num_seqs: int = LARGE_CARD_MAX_NUM_SEQS
+    max_num_batched_tokens: int = LARGE_CARD_MAX_NUM_BATCHED_TOKENS
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str | None = None
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
+    kv_cache_memory: int | None = None
+    num_gpu_blocks_override: int | None = None
+    tensor_parallel_size: int = 1
+    vllm_version: str | None = None
+    """Hybrid models: the vLLM release whose pool rules to follow (None: the newest modeled)."""
+    replicas: int = 1
+    router: str = "least-loaded"
+
+    @classmethod
+    def of(cls, settings: Any) -> "SimulatorConfig":
+        """The config of an object with one attribute per field (``kvledger simulate``'s parsed flags)."""
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})

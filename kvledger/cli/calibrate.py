@@ -7,6 +7,8 @@ import argparse
 import sys
 
 from kvledger.cli.common import positive_int
+from kvledger.cli.flags import add_block_size, add_engine_dtype, add_max_num_batched_tokens
+from kvledger.config import CUDA_BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -16,15 +18,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "non-negative least squares (model run and CPU overhead apart), print the fit's error per "
                     "shape and write a JSON profile for 'kvledger simulate --profile'.")
     p.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF model directory")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights and activations dtype (default float32)")
+    add_engine_dtype(p, help="weights and activations dtype")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda if present)")
     p.add_argument("--out", default="profile.json", metavar="FILE", help="profile to write (default profile.json)")
     p.add_argument("--quick", action="store_true", help="a small grid, one repetition: seconds, a rougher fit")
     p.add_argument("--reps", type=positive_int, default=None, help="repetitions per shape (default 3, quick 1)")
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
-                   help="the engine's token budget per step (default 2048, the engine's)")
+    add_block_size(p, help=f"tokens per KV block (default {CUDA_BLOCK_SIZE})")
+    add_max_num_batched_tokens(p, help=f"the engine's token budget per step (default {MAX_NUM_BATCHED_TOKENS}, the "
+                                       "engine's)")
     p.add_argument("--kv-cache-memory", default="1GiB", metavar="BYTES",
                    help="KV pool of the measuring engine (default 1GiB)")
     p.add_argument("--step-log", default=None, metavar="FILE",

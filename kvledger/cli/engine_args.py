@@ -7,9 +7,11 @@ import argparse
 from dataclasses import fields
 from typing import Any
 
-from kvledger.cli.common import fraction, positive_int, size
-from kvledger.config import (CPU_BLOCK_SIZE, CPU_KV_CACHE_MAX, CPU_KV_CACHE_SHARE, CUDA_BLOCK_SIZE, ENGINE_DTYPES,
-                             GPU_MEMORY_UTILIZATION, VLLM_BLOCK_SIZES, EngineConfig)
+from kvledger.cli.common import positive_int, size
+from kvledger.cli.flags import (add_block_size, add_engine_dtype, add_gpu_memory_utilization, add_max_num_batched_tokens,
+                                add_max_num_seqs, add_tensor_parallel_size)
+from kvledger.config import (CPU_BLOCK_SIZE, CPU_KV_CACHE_MAX, CPU_KV_CACHE_SHARE, CUDA_BLOCK_SIZE, GPU_MEMORY_UTILIZATION,
+                             VLLM_BLOCK_SIZES, EngineConfig)
 from kvledger.spec.dtypes import ENGINE_KV_CACHE_DTYPES
 from kvledger.units import GiB
 
@@ -23,19 +25,17 @@ def add_engine_args(parser: Any) -> None:
     g = parser.add_argument_group("engine (vLLM flag names)")
     g.add_argument("--model", default=default.model,
                    help="smollm2-135m (default), gemma-3-270m, a .gguf file or an HF model directory")
-    g.add_argument("--dtype", default=default.dtype, choices=ENGINE_DTYPES,
-                   help=f"weights and activations dtype (default {default.dtype})")
+    add_engine_dtype(g, help="weights and activations dtype")
     g.add_argument("--device", default=default.device, help="cpu, cuda, cuda:N or auto (default: cuda if present)")
-    g.add_argument("--block-size", type=int, default=default.block_size, choices=VLLM_BLOCK_SIZES, metavar="N",
+    add_block_size(g, default=default.block_size, vllm_sizes=True,
                    help=f"tokens per KV block: {', '.join(map(str, VLLM_BLOCK_SIZES))} (default, as vLLM: "
                         f"{CPU_BLOCK_SIZE} on CPU, {CUDA_BLOCK_SIZE} on CUDA)")
     g.add_argument("--max-model-len", type=positive_int, default=default.max_model_len,
                    help="max prompt + output tokens per request (default: the model's, capped by the pool)")
-    g.add_argument("--max-num-seqs", type=positive_int, default=default.max_num_seqs,
-                   help=f"max running requests (default {default.max_num_seqs})")
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=default.max_num_batched_tokens,
-                   help="token budget per step; longer prompts are prefilled in chunks "
-                        f"(default {default.max_num_batched_tokens})")
+    add_max_num_seqs(g, default=default.max_num_seqs, help=f"max running requests (default {default.max_num_seqs})")
+    add_max_num_batched_tokens(g, default=default.max_num_batched_tokens,
+                               help="token budget per step; longer prompts are prefilled in chunks "
+                                    f"(default {default.max_num_batched_tokens})")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=default.enable_prefix_caching,
                    help="share cached full blocks of identical prefixes (default on)")
@@ -45,13 +45,12 @@ def add_engine_args(parser: Any) -> None:
                         f"{round(GPU_MEMORY_UTILIZATION * 100)}%% of free memory)")
     g.add_argument("--kv-cache-dtype", default=default.kv_cache_dtype, choices=ENGINE_KV_CACHE_DTYPES, metavar="D",
                    help=f"KV cache element type: {', '.join(ENGINE_KV_CACHE_DTYPES)} (default auto = --dtype)")
-    g.add_argument("--gpu-memory-utilization", type=fraction, default=default.gpu_memory_utilization, metavar="F",
-                   help="share of the device's memory (of RAM on CPU) the engine may use; the KV pool gets it less "
-                        "what is in use (default: the --kv-cache-memory defaults)")
+    add_gpu_memory_utilization(g, default=default.gpu_memory_utilization, metavar="F",
+                               help="share of the device's memory (of RAM on CPU) the engine may use; the KV pool "
+                                    "gets it less what is in use (default: the --kv-cache-memory defaults)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never compile the model step with torch.compile; run it eagerly (vLLM's flag)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=default.tensor_parallel_size,
-                   metavar="N", help="split the model over N ranks (processes; gloo on CPU, NCCL on CUDA), each with "
+    add_tensor_parallel_size(g, help="split the model over N ranks (processes; gloo on CPU, NCCL on CUDA), each with "
                                      f"1/N of the heads and its own KV cache (default {default.tensor_parallel_size})")
     g.add_argument("--num-gpu-blocks-override", type=positive_int, default=default.num_gpu_blocks_override,
                    metavar="N", help="exact number of KV blocks (overrides --kv-cache-memory)")

@@ -6,13 +6,19 @@ import argparse
 from dataclasses import asdict
 from typing import Any
 
-from kvledger.cli.common import (add_kv_cache_dtype, add_mamba_ssm_cache_dtype, fraction, positive_int, print_json,
-                                 rate, size, token_count)
-from kvledger.config import CUDA_BLOCK_SIZE, GPU_MEMORY_UTILIZATION, VLLM_BLOCK_SIZES, PlannerConfig
-from kvledger.spec.hybrid import DEFAULT_VLLM_VERSION, OLDEST_VLLM_VERSION
+from kvledger.cli.common import fraction, positive_int, print_json, rate, size, token_count
+from kvledger.cli.flags import (add_block_size, add_gpu_memory_utilization, add_kv_cache_dtype, add_max_num_batched_tokens,
+                                add_max_num_seqs, add_mamba_ssm_cache_dtype, add_tensor_parallel_size)
+from kvledger.config import (CUDA_BLOCK_SIZE, LARGE_CARD_MAX_NUM_BATCHED_TOKENS, LARGE_CARD_MAX_NUM_SEQS,
+                             MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, VLLM_BLOCK_SIZES, PlannerConfig)
 from kvledger.planner.bandwidth import CROSSOVER_CONTEXT, DEFAULT_BANDWIDTH_EFFICIENCY
+from kvledger.planner.memory_wall import LARGE_CARD_BYTES
+from kvledger.spec.hybrid import DEFAULT_VLLM_VERSION, OLDEST_VLLM_VERSION
 from kvledger.spec.weights import MODEL_DTYPES, RUNTIME_QUANTIZATIONS, WEIGHT_DTYPE_BYTES
 from kvledger.units import GiB
+
+PLANNER = PlannerConfig()
+"""The planner's defaults, which the flags take."""
 
 
 def add_memory_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,8 +29,9 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPU from the catalog, e.g. a100-80gb, h100-80gb, l4 ('--gpu list' lists the catalog)")
     p.add_argument("--gpu-memory", type=size, metavar="SIZE",
                    help="override the card's memory (bytes or e.g. 80GiB); default: what the device reports")
-    p.add_argument("--gpu-memory-utilization", type=fraction, default=GPU_MEMORY_UTILIZATION, metavar="F",
-                   help=f"share of the card the engine may claim (default {GPU_MEMORY_UTILIZATION}, vLLM's)")
+    add_gpu_memory_utilization(p, default=PLANNER.gpu_memory_utilization, metavar="F",
+                               help=f"share of the card the engine may claim (default {PLANNER.gpu_memory_utilization}, "
+                                    "vLLM's)")
     p.add_argument("--overhead", type=size, metavar="SIZE",
                    help="replaces the sum of activation peak, non-torch and CUDA-graph memory")
     p.add_argument("--activation-memory", type=size, metavar="SIZE", help="override the activation-peak estimate")
@@ -35,26 +42,29 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", type=size, metavar="SIZE",
                    help="KV pool per card, replacing the whole wall (vLLM's kv_cache_memory_bytes)")
     add_kv_cache_dtype(p)
-    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
-                   help="tensor-parallel ranks; weights and KV heads split, numbers are per card (default 1)")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1, metavar="N",
-                   help="pipeline stages; layers split, numbers are the last stage's card (default 1)")
-    p.add_argument("--block-size", type=int, default=None, choices=VLLM_BLOCK_SIZES, metavar="N",
+    add_tensor_parallel_size(p, help="tensor-parallel ranks; weights and KV heads split, numbers are per card "
+                                     f"(default {PLANNER.tensor_parallel_size})")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=PLANNER.pipeline_parallel_size,
+                   metavar="N", help="pipeline stages; layers split, numbers are the last stage's card "
+                                     f"(default {PLANNER.pipeline_parallel_size})")
+    add_block_size(p, default=PLANNER.block_size, vllm_sizes=True,
                    help=f"tokens per KV block: {', '.join(map(str, VLLM_BLOCK_SIZES))} (default {CUDA_BLOCK_SIZE}; "
                         "a hybrid model's block is raised until one page holds a layer's state, as vLLM does)")
-    p.add_argument("--dtype", default="auto", choices=("auto", *MODEL_DTYPES), metavar="D",
+    p.add_argument("--dtype", default=PLANNER.dtype, choices=("auto", *MODEL_DTYPES), metavar="D",
                    help=f"vLLM's --dtype for weights and activations: auto, {', '.join(MODEL_DTYPES)} "
                         "(default auto: the config's torch_dtype)")
     p.add_argument("--quantization", "-q", choices=RUNTIME_QUANTIZATIONS, metavar="METHOD",
                    help="vLLM's runtime quantization of an unquantized checkpoint: fp8 (linear layers 1 byte)")
     p.add_argument("--weights-dtype", choices=tuple(WEIGHT_DTYPE_BYTES), metavar="D",
                    help=f"what-if: every weight at this size: {', '.join(WEIGHT_DTYPE_BYTES)}")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, metavar="N",
-                   help="tokens in the profiling pass that sets the activation peak "
-                        "(default vLLM's for the card: 8192 on 70 GiB+ cards but the A100, else 2048)")
-    p.add_argument("--max-num-seqs", type=positive_int, metavar="N",
-                   help="concurrency cap; sizes the sampler in the profiling pass "
-                        "(default vLLM's for the card: 1024 on 70 GiB+ cards but the A100, else 256)")
+    add_max_num_batched_tokens(p, default=PLANNER.max_num_batched_tokens, metavar="N",
+                               help="tokens in the profiling pass that sets the activation peak (default vLLM's for "
+                                    f"the card: {LARGE_CARD_MAX_NUM_BATCHED_TOKENS} on {LARGE_CARD_BYTES // GiB} GiB+ "
+                                    f"cards but the A100, else {MAX_NUM_BATCHED_TOKENS})")
+    add_max_num_seqs(p, default=PLANNER.max_num_seqs, metavar="N",
+                     help="concurrency cap; sizes the sampler in the profiling pass (default vLLM's for the card: "
+                          f"{LARGE_CARD_MAX_NUM_SEQS} on {LARGE_CARD_BYTES // GiB} GiB+ cards but the A100, "
+                          f"else {MAX_NUM_SEQS})")
     p.add_argument("--bandwidth", type=rate, metavar="RATE",
                    help="sustained memory bandwidth, e.g. 1.5TB/s (default: the card's peak x --bandwidth-efficiency)")
     p.add_argument("--bandwidth-efficiency", type=fraction, default=DEFAULT_BANDWIDTH_EFFICIENCY, metavar="F",

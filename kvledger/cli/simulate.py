@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvledger.cli.common import add_kv_cache_dtype, fraction, positive_float, positive_int, simulated_request_rate, size
-from kvledger.config import (CUDA_BLOCK_SIZE, GPU_MEMORY_UTILIZATION, LARGE_CARD_MAX_NUM_BATCHED_TOKENS,
-                             LARGE_CARD_MAX_NUM_SEQS)
+from kvledger.cli.common import positive_float, positive_int, simulated_request_rate, size
+from kvledger.cli.flags import (add_block_size, add_gpu_memory_utilization, add_kv_cache_dtype, add_max_num_batched_tokens,
+                                add_max_num_seqs, add_tensor_parallel_size)
+from kvledger.config import SimulatorConfig
+
+SIMULATOR = SimulatorConfig(model="")
+"""The simulator's defaults, which the flags take."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,26 +41,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for row sampling and arrivals (default 0)")
     p.add_argument("--shared-prefix-tokens", type=positive_int, default=0, metavar="N",
                    help="every prompt starts with the same N tokens (a system prompt; prefix caching shares them)")
-    p.add_argument("--replicas", type=positive_int, default=1, help="identical replicas behind the router (default 1)")
-    p.add_argument("--router", default="least-loaded", metavar="NAME",
-                   help=f"{', '.join(ROUTERS)} (default least-loaded)")
+    p.add_argument("--replicas", type=positive_int, default=SIMULATOR.replicas,
+                   help=f"identical replicas behind the router (default {SIMULATOR.replicas})")
+    p.add_argument("--router", default=SIMULATOR.router, metavar="NAME",
+                   help=f"{', '.join(ROUTERS)} (default {SIMULATOR.router})")
     p.add_argument("--slo", default=None, metavar="SPEC",
                    help="targets, e.g. ttft_p99=2s,tpot_p99=100ms[,goodput=99%%] (ttft/tpot/itl/e2el, pNN or mean)")
     p.add_argument("--find-replicas", action="store_true",
-                   help="search the smallest --replicas that meets --slo (default SLO ttft_p99=2s,tpot_p99=100ms)")
+                   help=f"search the smallest --replicas that meets --slo (default SLO {DEFAULT_FIND_SLO})")
     g = p.add_argument_group("engine (vLLM flag names; defaults are vLLM's, as in plan)")
-    g.add_argument("--block-size", type=positive_int, default=CUDA_BLOCK_SIZE)
-    g.add_argument("--max-num-seqs", type=positive_int, default=LARGE_CARD_MAX_NUM_SEQS)
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=LARGE_CARD_MAX_NUM_BATCHED_TOKENS)
-    g.add_argument("--max-model-len", type=positive_int, default=None,
+    add_block_size(g, default=SIMULATOR.block_size)
+    add_max_num_seqs(g, default=SIMULATOR.max_num_seqs)
+    add_max_num_batched_tokens(g, default=SIMULATOR.max_num_batched_tokens)
+    g.add_argument("--max-model-len", type=positive_int, default=SIMULATOR.max_model_len,
                    help="prompts are cut so prompt + output fits (default: the model's context, capped by the pool)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    add_kv_cache_dtype(g, default=None)
-    g.add_argument("--gpu-memory-utilization", type=fraction, default=GPU_MEMORY_UTILIZATION)
-    g.add_argument("--kv-cache-memory", type=size, default=None, metavar="SIZE", help="KV pool bytes per replica")
-    g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None, metavar="N")
-    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N")
-    g.add_argument("--vllm-version", metavar="X.Y", default=None,
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=SIMULATOR.enable_prefix_caching)
+    add_kv_cache_dtype(g, default=SIMULATOR.kv_cache_dtype)
+    add_gpu_memory_utilization(g, default=SIMULATOR.gpu_memory_utilization)
+    g.add_argument("--kv-cache-memory", type=size, default=SIMULATOR.kv_cache_memory, metavar="SIZE",
+                   help="KV pool bytes per replica")
+    g.add_argument("--num-gpu-blocks-override", type=positive_int, default=SIMULATOR.num_gpu_blocks_override,
+                   metavar="N")
+    add_tensor_parallel_size(g)
+    g.add_argument("--vllm-version", metavar="X.Y", default=SIMULATOR.vllm_version,
                    help="hybrid models: the vLLM release whose pool rules to follow (default the newest modeled)")
     p.add_argument("--json", action="store_true", help="print every number as one JSON object")
     p.add_argument("--plot", metavar="FILE", help="PNG: KV blocks vs the pool, running/waiting, TTFT and TPOT CDFs")
