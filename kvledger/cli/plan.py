@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict
 from typing import Any
 
 from kvledger.cli.common import fraction, positive_int, print_json, rate, size, token_count
@@ -126,144 +125,6 @@ def resolve(args: argparse.Namespace):
     return spec, gpu
 
 
-def compute(args: argparse.Namespace) -> dict[str, Any]:
-    """Every number of the plan, as one JSON-ready dict (plus private objects under ``_``)."""
-    from kvledger.errors import KVLedgerError
-    from kvledger.planner import bandwidth as bw
-    from kvledger.planner.memory_wall import (CONTEXTS, check_max_model_len, max_concurrency, max_fitting_length,
-                                              plan_memory, request_held_bytes, startup_max_model_len, useful_work,
-                                              sequence_blocks, users_at, verdict)
-
-    if args.users is not None and args.context is None:
-        args.context = CROSSOVER_CONTEXT  # the default --help promises
-    if args.context is not None and args.users is None:
-        raise KVLedgerError("--context needs --users: the bandwidth model is for N users of T tokens each")
-    spec, gpu = resolve(args)
-    check_context(spec, args.context, "--context")
-    wall = plan_memory(spec, gpu, planner_config(args))
-    if args.max_model_len:
-        error = check_max_model_len(spec, wall, args.max_model_len)
-        if error:
-            raise KVLedgerError(error)
-    ceiling = args.max_model_len or spec.max_position_embeddings
-    contexts = [t for t in CONTEXTS if not ceiling or t <= ceiling]
-    contexts += [args.max_model_len] if args.max_model_len and args.max_model_len not in contexts else []
-    if not contexts:
-        contexts = [ceiling]
-    users = {str(t): users_at(spec, wall, t) for t in contexts}
-    bandwidth = bw.effective_bandwidth(gpu, args.bandwidth, args.bandwidth_efficiency)
-    conversation = args.context or CROSSOVER_CONTEXT
-    token_bytes = bw.live_token_bytes(spec, wall.kv_cache_dtype, conversation, wall.tensor_parallel_size)
-    crossover = bw.crossover_for(wall, token_bytes, conversation)
-    out: dict[str, Any] = {
-        "model": spec.name, "gpu": gpu.name, "gpu_full_name": gpu.full_name, "compute_capability": gpu.compute_capability,
-        "gpu_memory_given": args.gpu_memory is not None,
-        **{k: v for k, v in asdict(wall).items() if k not in ("model", "gpu")},
-        "kv_pool_gib": wall.kv_pool_bytes / GiB, "weights_gib": wall.weights_bytes / GiB,
-        "users_per_context": users,
-        "useful_work": {t: useful_work(n) for t, n in users.items()},
-        "held_bytes_per_context": {str(t): request_held_bytes(spec, wall, t) for t in contexts},
-        "blocks_per_context": {str(t): sequence_blocks(spec, wall, t) for t in contexts},
-        "bandwidth_bytes_per_s": bandwidth,
-        "crossover_tokens": crossover,
-        "crossover_context": conversation,
-        "crossover_conversations": crossover / conversation,
-        "max_fitting_length": max_fitting_length(spec, wall),
-        "vllm_max_model_len": startup_max_model_len(spec, wall),
-        "weight_bytes_read_per_step": bw.weight_bytes_read_per_step(wall, args.users or 1),
-        "weight_bytes_read_batch": args.users or 1,
-        "notes": list(spec.notes),
-        "warnings": list(wall.warnings),
-    }
-    model_max = spec.max_position_embeddings
-    refused_at_default = bool(not args.max_model_len and model_max and check_max_model_len(spec, wall, model_max))
-    if refused_at_default:
-        out["notes"].append(f"vLLM would refuse to start with the model's default max_model_len ({model_max:,}): "
-                            f"the pool holds {out['max_fitting_length']:,} tokens for one decoding sequence, and vLLM's "
-                            f"start-up check (sliding layers at their prefill worst case) allows "
-                            f"{out['vllm_max_model_len']:,}; set --max-model-len")
-    max_len = args.max_model_len or model_max
-    if max_len:
-        out["max_model_len"] = max_len
-        out["max_concurrency"] = max_concurrency(spec, wall, max_len)
-    if wall.hybrid:
-        out["notes"].append(
-            f"vLLM {wall.vllm_version}'s hybrid pool: each state layer keeps {wall.state_page_bytes:,} bytes per "
-            f"request (per rank); vLLM sets the attention block "
-            f"to {wall.block_size} tokens so a page holds one, pads the state page by {wall.state_padding_pct:.2f}%, "
-            f"and groups layers {wall.group_size} at a time ({wall.attention_groups} attention + {wall.state_groups} "
-            f"state groups); a request holds {wall.state_blocks_per_request} block(s) in each state group"
-            f" (prefix caching {'on' if wall.prefix_caching else 'off'})")
-    if args.users:
-        kv = bw.kv_read_bytes(spec, wall.kv_cache_dtype, args.users, args.context, wall.tensor_parallel_size)
-        step = bw.decode_step(bw.weight_bytes_read_per_step(wall, args.users), kv, args.users, args.context, bandwidth)
-        out.update({k: v for k, v in asdict(step).items() if k not in ("users", "context")})
-        out.update(users=args.users, context=args.context,
-                   load_fits=args.users <= users_at(spec, wall, args.context),
-                   request_held_bytes=request_held_bytes(spec, wall, args.context))
-    if args.workload:
-        out["workload"] = workload_report(args, spec, gpu, wall, bandwidth)
-    # vLLM starts with --max-model-len, or else the model's own context: the verdict holds it to that
-    v = verdict(spec, wall, max_model_len=args.max_model_len or spec.max_position_embeddings, users=args.users,
-                context=args.context)
-    if v.verdict == "does not fit" and v.term == "KV pool" and refused_at_default:
-        v = type(v)(v.verdict, "max-model-len",
-                    f"vLLM starts with the model's context ({spec.max_position_embeddings:,} tokens) unless told "
-                    f"otherwise, and its start-up check allows {out['vllm_max_model_len']:,} for one request",
-                    f"set --max-model-len {out['vllm_max_model_len']} or less")
-    out.update(verdict=v.verdict, verdict_term=v.term, verdict_reason=v.reason, verdict_advice=v.advice)
-    out["_"] = (spec, gpu, wall)
-    return out
-
-
-def check_context(spec, tokens: int | None, flag: str) -> None:
-    """A one-line error for a per-sequence length above the model's context."""
-    from kvledger.errors import KVLedgerError
-
-    model_max = spec.max_position_embeddings
-    if tokens is not None and model_max and tokens > model_max:
-        raise KVLedgerError(f"{flag} {tokens:,} is greater than the model's context, max_position_embeddings = "
-                            f"{model_max:,} in {spec.name}'s config; lower {flag}")
-
-
-def workload_report(args: argparse.Namespace, spec, gpu, wall, bandwidth: float) -> dict[str, Any]:
-    """The trace's lengths, its replay against the pool, the limits to set and the prefix savings.
-    The replay reads each live token at its cost in a sequence of the trace's mean live length
-    (exact for full-attention models; see ``bandwidth``)."""
-    from kvledger.planner import bandwidth as bw
-    from kvledger.planner import workload as wl
-    from kvledger.workload.traces import read_trace
-
-    trace = read_trace(args.workload)
-    context = max(1, round(wl.mean_live_tokens(trace)))
-    token_bytes = bw.live_token_bytes(spec, wall.kv_cache_dtype, context, wall.tensor_parallel_size)
-    rep = wl.replay(trace, lambda live: bw.step_time(bw.weight_bytes_read_per_step(wall, max(1, round(live / context))),
-                                                     live, token_bytes, bandwidth),
-                    bw.prefill_seconds_per_token(spec, gpu, wall.tensor_parallel_size))
-    stats = rep.stats(wall.kv_tokens) if rep else None
-    out = {
-        "file": trace.name, "format": trace.format, "requests": len(trace), "duration_s": trace.duration_s,
-        "prompt_tokens": wl.percentiles(trace.prompt), "output_tokens": wl.percentiles(trace.output),
-        "total_tokens": wl.percentiles(trace.total), "histogram": wl.histogram(trace),
-        "replay": stats,
-        "recommend": wl.recommend(trace, wall.block_size, wall.kv_tokens,
-                                  stats["live_tokens_per_sequence"] if stats else None, spec.max_position_embeddings),
-        "prefix_caching": wl.prefix_savings(trace, args.shared_prefix_tokens),
-    }
-    out["_trace"] = trace
-    out["_replay"] = rep
-    return out
-
-
-def _strip(obj: Any) -> Any:
-    """Drop private entries (keys starting with ``_``) for JSON."""
-    if isinstance(obj, dict):
-        return {k: _strip(v) for k, v in obj.items() if not k.startswith("_")}
-    if isinstance(obj, list):
-        return [_strip(v) for v in obj]
-    return obj
-
-
 def run(args: argparse.Namespace) -> int:
     import sys
 
@@ -277,18 +138,22 @@ def run(args: argparse.Namespace) -> int:
 
         raise KVLedgerError("give a MODEL: a preset (kvledger kv-bytes --list), a Hugging Face id, a config.json or a "
                             "model directory")
-    plan = compute(args)
-    for warning in plan["warnings"]:
+    from kvledger import planner
+
+    spec, gpu = resolve(args)
+    plan = planner.plan(spec, gpu, planner_config(args), users=args.users, context=args.context,
+                        workload=args.workload, shared_prefix_tokens=args.shared_prefix_tokens,
+                        bandwidth=args.bandwidth, bandwidth_efficiency=args.bandwidth_efficiency,
+                        gpu_memory_given=args.gpu_memory is not None)
+    for warning in plan.numbers["warnings"]:
         print(f"kvledger plan: warning: {warning}", file=sys.stderr)
     if args.plot:
         from kvledger.planner.plot import plot_plan
 
-        spec, gpu, wall = plan["_"]
-        trace = plan.get("workload", {}).get("_trace")
-        plot_plan(args.plot, spec, wall, trace, plan.get("workload", {}).get("_replay"))
-        plan["plot"] = args.plot
+        plot_plan(args.plot, plan.spec, plan.wall, plan.trace, plan.replay)
+        plan.numbers["plot"] = args.plot
     if args.json:
-        print_json(_strip(plan))
+        print_json(plan.numbers)
     else:
         print_plan(plan)
     return 0
@@ -299,12 +164,13 @@ def _gib(n: float) -> str:
     return f"{n / GiB:,.2f}"
 
 
-def print_plan(plan: dict[str, Any]) -> None:
+def print_plan(result) -> None:
+    """The text report of a :class:`kvledger.planner.capacity.Plan`."""
     from tabulate import tabulate
 
     from kvledger.units import format_bytes, format_rate
 
-    spec, gpu, wall = plan["_"]
+    spec, gpu, wall, plan = result.spec, result.gpu, result.wall, result.numbers
     tp = wall.tensor_parallel_size
     print(f"{spec.describe()}")
     if wall.hybrid:  # the version rules are the hybrid pool's; other models' numbers are the same in every release

@@ -8,7 +8,13 @@ Pure Python (numpy for traces): never imports torch. One concept per module:
 * ``bandwidth``   -- bytes moved per decode step (MoE: the experts a batch touches), step time,
                    tokens/s and the KV/weights crossover.
 * ``workload``    -- real traces: length histogram, percentiles, live tokens replayed over time.
+* ``capacity``    -- the plan: :func:`plan` (``kvledger plan``) assembles all of the above into a
+                   :class:`Plan` for a model, a card and a :class:`kvledger.config.PlannerConfig`.
 * ``advise``      -- the levers ranked by the users they add given what binds, each with its cost.
 * ``validation``  -- the planner against vLLM's own start-up logs (tests/data, bench/bench_validation.py).
 * ``plot``        -- optional matplotlib figures.
 """
+
+from kvledger.planner.capacity import Plan, plan
+
+__all__ = ["Plan", "plan"]
