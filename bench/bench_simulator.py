@@ -150,17 +150,18 @@ def replay_recorded(log: Path, sim_args: list[str]) -> dict:
     import dataclasses
 
     from kvledger.cli.main import build_parser
-    from kvledger.cli.simulate import setup
+    from kvledger.config import SimulatorConfig
     from kvledger.engine.step_log import read_step_log
     from kvledger.errors import KVLedgerError
     from kvledger.sim.calibrate import busy_pauses
     from kvledger.sim.driver import RecordedStepTimes
+    from kvledger.sim.setup import setup_fleet
     from kvledger.sim.simulate import build_requests, simulate
     from kvledger.workload.sampling import sample_requests
     from kvledger.workload.traces import read_trace
 
     args = build_parser().parse_args(sim_args)
-    _, fleet, _ = setup(args)
+    _, fleet, _ = setup_fleet(SimulatorConfig.of(args))
     _, records = read_step_log(log)
     periods = [r.wall_s + pause for r, pause in zip(records, busy_pauses(records))]
     fleet = dataclasses.replace(fleet, timer_factory=lambda: RecordedStepTimes(periods))

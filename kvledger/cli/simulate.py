@@ -16,6 +16,7 @@ SIMULATOR = SimulatorConfig(model="")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from kvledger.sim.routers import ROUTERS
+    from kvledger.sim.setup import DEFAULT_FIND_SLO
 
     p = subparsers.add_parser(
         "simulate", help="simulate serving a trace: TTFT/TPOT/ITL/E2EL, preemptions, prefix hits, replicas needed",
@@ -73,69 +74,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-DEFAULT_FIND_SLO = "ttft_p99=2s,tpot_p99=100ms"
-
-
 def setup(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(ModelSpec, Fleet, SLO or None) from the flags; every bad value is a KVLedgerError."""
-    from kvledger.config import EngineConfig
-    from kvledger.errors import KVLedgerError
-    from kvledger.metrics.serving import parse_slo
-    from kvledger.sim.routers import ROUTERS
-    from kvledger.sim.simulate import Fleet
-    from kvledger.sim.step_model import Profile, StepModel
-    from kvledger.spec import kv_bytes, load_model_spec
+    from kvledger.sim.setup import setup_fleet
 
-    if args.router not in ROUTERS:
-        raise KVLedgerError(f"unknown router {args.router!r}; use one of {', '.join(ROUTERS)}")
-    slo = parse_slo(args.slo) if args.slo else (parse_slo(DEFAULT_FIND_SLO) if args.find_replicas else None)
-    spec = load_model_spec(args.model)
-    tp = args.tensor_parallel_size
-    hybrid = None
-    if args.profile and spec.is_hybrid:
-        raise KVLedgerError(f"{spec.name} is a hybrid model: step profiles of hybrids are not modeled; use --gpu")
-    if args.profile:
-        profile = Profile.load(args.profile)
-        kv_dtype = args.kv_cache_dtype or profile.kv_cache_dtype
-        profile.check_model(spec, tp)
-        model = profile.step_model(spec, kv_dtype, args.profile)
-        if args.num_gpu_blocks_override:
-            num_blocks = args.num_gpu_blocks_override
-        elif args.kv_cache_memory is not None:
-            num_blocks = kv_bytes(spec, kv_dtype, tensor_parallel_size=tp).num_blocks(args.kv_cache_memory,
-                                                                                      args.block_size)
-        elif profile.num_blocks and profile.block_size == args.block_size:
-            num_blocks = profile.num_blocks
-        else:
-            raise KVLedgerError(f"the profile's pool is in blocks of {profile.block_size} tokens; give "
-                                "--num-gpu-blocks-override or --kv-cache-memory for --block-size "
-                                f"{args.block_size}")
-    else:
-        from kvledger.planner.gpus import get_gpu
-        from kvledger.planner.memory_wall import plan_memory
-
-        gpu = get_gpu(args.gpu)
-        kv_dtype = args.kv_cache_dtype or "auto"
-        wall = plan_memory(spec, gpu, gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=kv_dtype,
-                           tensor_parallel_size=tp, block_size=args.block_size,
-                           kv_cache_memory=args.kv_cache_memory,
-                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                           enable_prefix_caching=args.enable_prefix_caching, max_model_len=args.max_model_len,
-                           vllm_version=args.vllm_version)
-        num_blocks = args.num_gpu_blocks_override or wall.num_blocks
-        model = StepModel.from_gpu(spec, gpu, kv_dtype, tp)
-        if wall.hybrid:  # vLLM's block size for the model, its state blocks, its start-up refusal
-            from kvledger.sim.hybrid import HybridPool, check_max_num_seqs
-
-            args.block_size = wall.block_size
-            hybrid = HybridPool.from_wall(wall)
-            check_max_num_seqs(args.max_num_seqs, num_blocks, wall.refuses_max_num_seqs)
-    config = EngineConfig(model=args.model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          enable_prefix_caching=args.enable_prefix_caching, num_gpu_blocks_override=num_blocks,
-                          max_model_len=args.max_model_len)
-    fleet = Fleet(config, num_blocks, lambda: model, args.replicas, args.router, tp, hybrid=hybrid)
-    return spec, fleet, slo
+    return setup_fleet(SimulatorConfig.of(args), slo=args.slo, find_replicas=args.find_replicas)
 
 
 def run(args: argparse.Namespace) -> int:
