@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.plot:
         pyplot(args.plot)  # a wrong name or a missing matplotlib fails now, not after the run
-    from kvledger.kv_quality import QualityConfig, run_kv_quality, to_json
+    from kvledger.evaluate.kv_quality import QualityConfig, run_kv_quality, to_json
 
     kinds = tuple(dict.fromkeys(args.kinds or KV_QUALITY_DEFAULT_KINDS))
     cfg = QualityConfig(model=args.model, text=args.text, kv_cache_dtypes=kinds, dtype=args.dtype,
