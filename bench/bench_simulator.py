@@ -95,7 +95,7 @@ def serve_and_bench(serve_flags: list[str], bench_flags: dict, rate: float) -> t
     ``serve_flags`` may carry ``--step-log FILE`` (the run's own step records)."""
     import httpx
 
-    from kvledger.bench.serve import BenchConfig, run_benchmark
+    from kvledger.loadgen.serve import BenchConfig, run_benchmark
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -273,7 +273,7 @@ VLLM_KV_GIB = 2
 def _bench(url: str, rows: list[tuple[int, int]] | None, **cfg) -> dict:
     """One ``bench serve`` run against ``url``: ``rows`` (input, output lengths) as a small trace
     written here, else the ``trace`` in ``cfg``; the metrics as a dict."""
-    from kvledger.bench.serve import BenchConfig, run_benchmark
+    from kvledger.loadgen.serve import BenchConfig, run_benchmark
 
     if rows is not None:
         path = Path(tempfile.mkdtemp(prefix="kvledger-grid-")) / "grid.csv"
