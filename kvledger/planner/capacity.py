@@ -35,7 +35,7 @@ class Plan:
     trace: Any = None
     """The workload's :class:`kvledger.workload.traces.Trace`, when one was given."""
     replay: Any = None
-    """Its replay against the pool (``planner.workload.Replay``), when it has timestamps."""
+    """Its replay against the pool (``planner.trace_sizing.Replay``), when it has timestamps."""
 
 
 def plan(spec: ModelSpec, gpu: GPU, config: PlannerConfig | None = None, *, users: int | None = None,
@@ -143,7 +143,7 @@ def workload_report(path: str, spec: ModelSpec, gpu: GPU, wall: MemoryWall, band
     """(report, trace, replay): the trace's lengths, its replay against the pool, the limits to set
     and the prefix savings. The replay reads each live token at its cost in a sequence of the
     trace's mean live length (exact for full-attention models; see ``bandwidth``)."""
-    from kvledger.planner import workload as wl
+    from kvledger.planner import trace_sizing as wl
     from kvledger.workload.traces import read_trace
 
     trace = read_trace(path)
