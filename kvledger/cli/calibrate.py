@@ -56,6 +56,8 @@ def device_name(engine) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.step_log:  # no engine, no torch: the fit alone
+        from kvledger.sim.calibrate import profile_from_step_log
+
         profile, report = profile_from_step_log(args.step_log)
         return write_and_report(profile, report, args)
     from datetime import datetime, timezone
@@ -85,34 +87,6 @@ def run(args: argparse.Namespace) -> int:
                       block_size=engine.block_size, num_blocks=engine.num_blocks, coefficients=coefficients,
                       fit=report, created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
     return write_and_report(profile, report, args)
-
-
-def profile_from_step_log(path: str):
-    """A profile fitted from a step log's records, for the model and engine its header names."""
-    from datetime import datetime, timezone
-
-    from kvledger.engine.step_log import read_step_log
-    from kvledger.errors import KVLedgerError
-    from kvledger.sim.calibrate import fit_step_log
-    from kvledger.sim.step_model import ModelFingerprint, ModelGeometry, Profile
-    from kvledger.spec import ModelSpec
-
-    header, records = read_step_log(path)
-    try:
-        spec = ModelSpec.from_config_dict({**header["hf_config"], "torch_dtype": header["dtype"]},
-                                          name=header["model"])
-        kv_dtype, block_size, num_blocks = header["kv_cache_dtype"], int(header["block_size"]), int(header["num_blocks"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise KVLedgerError(f"{path}: the step log's header lacks the model or the pool ({err})") from None
-    if len(records) < 8:
-        raise KVLedgerError(f"{path} holds {len(records)} steps; a fit needs a serving run of at least 8")
-    coefficients, report = fit_step_log(records, ModelGeometry.of(spec, kv_dtype))
-    profile = Profile(device=str(header.get("device", "unknown")), model=spec.name,
-                      fingerprint=ModelFingerprint.of(spec), dtype=header["dtype"], kv_cache_dtype=kv_dtype,
-                      tensor_parallel_size=1, block_size=block_size, num_blocks=num_blocks,
-                      coefficients=coefficients, fit=report,
-                      created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
-    return profile, report
 
 
 def write_and_report(profile, report, args: argparse.Namespace) -> int:

@@ -83,7 +83,7 @@ def setup(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from kvledger.cli.common import print_json
-    from kvledger.errors import KVLedgerError
+    from kvledger.sim.setup import max_request_len
     from kvledger.sim.simulate import build_requests, find_replicas, simulate, summary
     from kvledger.workload.sampling import sample_requests
     from kvledger.workload.traces import read_trace
@@ -94,12 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
         plt = pyplot(args.plot)  # a bad name or a missing matplotlib fails before the run
     spec, fleet, slo = setup(args)
-    bs = fleet.config.block_size
-    max_len = args.max_model_len or min(spec.max_position_embeddings or fleet.num_blocks * bs, fleet.num_blocks * bs)
-    if max_len > fleet.num_blocks * bs:
-        raise KVLedgerError(f"--max-model-len {max_len} exceeds the pool's {fleet.num_blocks} blocks x {bs} tokens")
-    if max_len < 2:
-        raise KVLedgerError(f"a request needs at least 2 tokens of context; the pool holds {fleet.num_blocks * bs}")
+    max_len = max_request_len(spec, fleet, args.max_model_len)
     trace = read_trace(args.workload)
     sampled, times = sample_requests(trace, args.num_prompts, seed=args.seed, sample=args.sample,
                                      length_scale=args.length_scale, request_rate=args.request_rate,

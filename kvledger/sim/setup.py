@@ -71,3 +71,16 @@ def setup_fleet(config: SimulatorConfig, *, slo: str | None = None,
                           max_model_len=config.max_model_len)
     fleet = Fleet(engine, num_blocks, lambda: model, config.replicas, config.router, tp, hybrid=hybrid)
     return spec, fleet, targets
+
+
+def max_request_len(spec: ModelSpec, fleet: Fleet, max_model_len: int | None = None) -> int:
+    """The longest request (prompt + output tokens) the fleet serves: ``max_model_len``, else the
+    model's context, at most what one replica's pool holds; a KVLedgerError when that is too short."""
+    bs = fleet.config.block_size
+    pool = fleet.num_blocks * bs
+    max_len = max_model_len or min(spec.max_position_embeddings or pool, pool)
+    if max_len > pool:
+        raise KVLedgerError(f"--max-model-len {max_len} exceeds the pool's {fleet.num_blocks} blocks x {bs} tokens")
+    if max_len < 2:
+        raise KVLedgerError(f"a request needs at least 2 tokens of context; the pool holds {pool}")
+    return max_len
