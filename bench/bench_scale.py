@@ -203,7 +203,7 @@ def main() -> int:
     if args.skip_tp:
         return 0
     torch.set_num_threads(THREADS)
-    from kvledger.engine.config import EngineConfig
+    from kvledger.config import EngineConfig
     from kvledger.engine.llm_engine import LLMEngine
 
     flops = matmul_flops()

@@ -82,7 +82,7 @@ def serving(cmd: list[str], url: str, *, log: Path | None = None, env: dict[str,
 
 
 def run_against(cmd: list[str], url: str, cfg) -> tuple:
-    from kvledger.bench.serve import run_benchmark
+    from kvledger.loadgen.serve import run_benchmark
 
     with serving(cmd, url):
         cfg.base_url = url
@@ -91,7 +91,7 @@ def run_against(cmd: list[str], url: str, cfg) -> tuple:
 
 def main() -> int:
     from kvledger.loader.resolve import converted_dir, resolve_model
-    from kvledger.bench.serve import BenchConfig, format_report
+    from kvledger.loadgen.serve import BenchConfig, format_report
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", default=str(DEFAULT_TRACE))

@@ -40,6 +40,8 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from kvledger.config import CPU_BLOCK_SIZE
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import free_port, serving  # noqa: E402
 from ceilings import TRACES  # noqa: E402
@@ -93,7 +95,7 @@ def serve_and_bench(serve_flags: list[str], bench_flags: dict, rate: float) -> t
     ``serve_flags`` may carry ``--step-log FILE`` (the run's own step records)."""
     import httpx
 
-    from kvledger.bench.serve import BenchConfig, run_benchmark
+    from kvledger.loadgen.serve import BenchConfig, run_benchmark
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -148,17 +150,18 @@ def replay_recorded(log: Path, sim_args: list[str]) -> dict:
     import dataclasses
 
     from kvledger.cli.main import build_parser
-    from kvledger.cli.simulate import setup
+    from kvledger.config import SimulatorConfig
     from kvledger.engine.step_log import read_step_log
     from kvledger.errors import KVLedgerError
     from kvledger.sim.calibrate import busy_pauses
     from kvledger.sim.driver import RecordedStepTimes
+    from kvledger.sim.setup import setup_fleet
     from kvledger.sim.simulate import build_requests, simulate
     from kvledger.workload.sampling import sample_requests
     from kvledger.workload.traces import read_trace
 
     args = build_parser().parse_args(sim_args)
-    _, fleet, _ = setup(args)
+    _, fleet, _ = setup_fleet(SimulatorConfig.of(args))
     _, records = read_step_log(log)
     periods = [r.wall_s + pause for r, pause in zip(records, busy_pauses(records))]
     fleet = dataclasses.replace(fleet, timer_factory=lambda: RecordedStepTimes(periods))
@@ -262,14 +265,15 @@ def accuracy(num_prompts: int, profile: Path, quick: bool, rates: list[float] | 
 
 # ------------------------------------------------------------------------------------------- vLLM
 DEFAULT_PEER = Path.home() / ".cache" / "kvledger-peers" / "vllm"
-VLLM_BLOCK_SIZE = 128
+VLLM_BLOCK_SIZE = CPU_BLOCK_SIZE
+"""vLLM's block on a CPU, where it sets none (its peer here runs on the CPU)."""
 VLLM_KV_GIB = 2
 
 
 def _bench(url: str, rows: list[tuple[int, int]] | None, **cfg) -> dict:
     """One ``bench serve`` run against ``url``: ``rows`` (input, output lengths) as a small trace
     written here, else the ``trace`` in ``cfg``; the metrics as a dict."""
-    from kvledger.bench.serve import BenchConfig, run_benchmark
+    from kvledger.loadgen.serve import BenchConfig, run_benchmark
 
     if rows is not None:
         path = Path(tempfile.mkdtemp(prefix="kvledger-grid-")) / "grid.csv"

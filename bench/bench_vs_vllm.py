@@ -236,7 +236,7 @@ def server_rows(args: argparse.Namespace, vocab_size: int) -> dict[str, dict[str
     import contextlib
 
     from bench_serve import free_port, serving
-    from kvledger.bench.serve import BenchConfig, run_benchmark
+    from kvledger.loadgen.serve import BenchConfig, run_benchmark
 
     def config(url: str, n: int, id_seed: int) -> BenchConfig:
         return BenchConfig(base_url=url, trace=str(args.trace), num_prompts=n, length_scale=0.25, seed=0,

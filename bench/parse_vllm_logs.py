@@ -15,6 +15,8 @@ import re
 import sys
 from pathlib import Path
 
+from kvledger.config import GPU_MEMORY_UTILIZATION
+
 _FLOAT = r"([0-9]+(?:\.[0-9]+)?)"
 _PATTERNS = {
     "total_memory_gib": rf"init memory snapshot: .*?total_memory={_FLOAT}GiB",
@@ -52,7 +54,7 @@ def parse(path: Path, prefix: str) -> dict:
         "pipeline_parallel_size": int(args.get("pipeline_parallel_size", 1)),
         "data_parallel_size": int(args.get("data_parallel_size", 1)),
         "max_model_len": args.get("max_model_len"),
-        "gpu_memory_utilization": float(args.get("gpu_memory_utilization", 0.9)),
+        "gpu_memory_utilization": float(args.get("gpu_memory_utilization", GPU_MEMORY_UTILIZATION)),
         "dtype": args.get("dtype", "auto"),
         "quantization": args.get("quantization"),
         "kv_cache_dtype": args.get("kv_cache_dtype", "auto"),

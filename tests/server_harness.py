@@ -36,7 +36,7 @@ CHATS = [
 @functools.cache
 def shared_server():
     """The test run's server (a :class:`BackgroundServer`), started on first use."""
-    from kvledger.engine.config import EngineConfig
+    from kvledger.config import EngineConfig
     from kvledger.engine.llm_engine import LLMEngine
     from kvledger.server.launcher import BackgroundServer, build_app
 

@@ -8,7 +8,7 @@ from typing import AsyncIterator
 
 import pytest
 
-from kvledger.engine.config import EngineConfig
+from kvledger.config import EngineConfig
 from kvledger.engine.llm_engine import LLMEngine
 from kvledger.engine.sampling_params import SamplingParams
 from kvledger.server.async_engine import AsyncEngine, EngineDeadError

@@ -11,7 +11,7 @@ import pytest
 
 from kvledger.cli.main import main
 from kvledger.errors import KVLedgerError
-from kvledger.bench.serve import make_prompts
+from kvledger.loadgen.serve import make_prompts
 from kvledger.metrics.serving import RequestResult, calculate_metrics
 from kvledger.workload.sampling import SampledRequest, arrival_times, select
 from kvledger.workload.traces import read_trace

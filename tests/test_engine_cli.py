@@ -53,7 +53,8 @@ def test_generate_bad_input_is_one_line():
 def test_engine_flags_become_the_engine_config():
     import argparse
 
-    from kvledger.engine.config import EngineConfig, add_engine_args, engine_config_from_args
+    from kvledger.cli.engine_args import add_engine_args, engine_config_from_args
+    from kvledger.config import EngineConfig
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -156,7 +156,7 @@ def test_block_size_defaults_to_vllms_for_the_device():
     """No block size given: 128 tokens on CPU (vLLM's CPU platform default), 16 on CUDA; an
     explicit one is kept, and the CLI reports the size the engine took."""
     from kvledger import LLM
-    from kvledger.engine.config import EngineConfig, default_block_size
+    from kvledger.config import EngineConfig, default_block_size
     from tests.cli_helpers import kvledger
 
     assert (default_block_size("cpu"), default_block_size("cuda"), default_block_size("cuda:1")) == (128, 16, 16)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from kvledger.kvcache.block_pool import BlockPool
-from kvledger.engine.config import EngineConfig
+from kvledger.config import EngineConfig
 from kvledger.kvcache.groups import kv_cache_groups
 from kvledger.kvcache.manager import KVCacheManager
 from kvledger.engine.sampling_params import SamplingParams

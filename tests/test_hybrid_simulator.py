@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from kvledger.engine.config import EngineConfig
+from kvledger.config import EngineConfig
 from kvledger.errors import KVLedgerError
 from kvledger.planner.gpus import get_gpu
 from kvledger.planner.memory_wall import plan_memory, sequence_blocks

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.kv_quality import QualityConfig, run_dtype_quality, run_kv_quality
+from kvledger.evaluate.kv_quality import QualityConfig, run_dtype_quality, run_kv_quality
 from tests.cli_helpers import assert_one_line_error, kvledger
 
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvledger.engine.config import EngineConfig
+from kvledger.config import EngineConfig
 from kvledger.engine.llm_engine import LLMEngine
 from kvledger.errors import KVLedgerError
 from kvledger.spec import kv_bytes, load_model_spec

@@ -183,7 +183,7 @@ def test_live_tokens_panel_draws_the_pool_and_labelled_percentiles():
     import numpy as np
 
     from kvledger.planner.plot import plot_live_tokens
-    from kvledger.planner.workload import Replay
+    from kvledger.planner.trace_sizing import Replay
 
     rep = Replay(times_s=np.linspace(0, 600, 100), live_tokens=np.arange(100.0) * 1000, sequences=np.ones(100),
                  step_time_s=0.01, prefill_s_per_token=1e-5, iterations=1)

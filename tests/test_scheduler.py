@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvledger.kvcache.block_pool import BlockPool
-from kvledger.engine.config import EngineConfig
+from kvledger.config import EngineConfig
 from kvledger.kvcache.groups import first_live_block, kv_cache_groups
 from kvledger.kvcache.manager import KVCacheManager
 from kvledger.engine.sampling_params import SamplingParams

@@ -29,7 +29,7 @@ BODY_LIMIT = 64 * 1024
 
 @pytest.fixture(scope="module")
 def server():
-    from kvledger.engine.config import EngineConfig
+    from kvledger.config import EngineConfig
     from kvledger.engine.llm_engine import LLMEngine
     from kvledger.server.launcher import BackgroundServer, build_app
 

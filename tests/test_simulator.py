@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.engine.config import EngineConfig
+from kvledger.config import EngineConfig
 from kvledger.sim.driver import RecordedStepTimes
 from kvledger.sim.requests import make_request
 from kvledger.sim.simulate import Fleet, simulate

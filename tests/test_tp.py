@@ -56,7 +56,7 @@ def _lockstep(a, b, prompts: list[list[int]], max_tokens: int) -> tuple[float, f
 
 @pytest.fixture(scope="module")
 def tp3():
-    from kvledger.engine.config import EngineConfig
+    from kvledger.config import EngineConfig
     from kvledger.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(**ENGINE_ARGS, tensor_parallel_size=3))
@@ -66,7 +66,7 @@ def tp3():
 
 @pytest.mark.slow
 def test_smollm2_tp3_matches_tp1_step_by_step(tp3):
-    from kvledger.engine.config import EngineConfig
+    from kvledger.config import EngineConfig
     from kvledger.engine.llm_engine import LLMEngine
 
     tp1 = LLMEngine(EngineConfig(**ENGINE_ARGS))
@@ -119,7 +119,7 @@ def one_kv_head_llama(tmp_path_factory):
 
 def test_one_kv_head_replicated_at_tp2_through_the_cli(one_kv_head_llama):
     from kvledger import SamplingParams
-    from kvledger.engine.config import EngineConfig
+    from kvledger.config import EngineConfig
     from kvledger.engine.llm_engine import LLMEngine
     from kvledger.spec import ModelSpec, kv_bytes
 
@@ -141,7 +141,7 @@ def test_one_kv_head_replicated_at_tp2_through_the_cli(one_kv_head_llama):
 
 
 def test_a_size_that_cannot_split_the_heads_is_refused_before_any_rank_starts(one_kv_head_llama):
-    from kvledger.engine.config import EngineConfig
+    from kvledger.config import EngineConfig
     from kvledger.engine.llm_engine import LLMEngine
     from kvledger.errors import KVLedgerError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kvledger.verify import AppendOnlyKVCache, VerifyConfig, run_verify
+from kvledger.evaluate.verify import AppendOnlyKVCache, VerifyConfig, run_verify
 from tests.cli_helpers import assert_one_line_error, kvledger
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvledger.errors import KVLedgerError
-from kvledger.planner import workload as wl
+from kvledger.planner import trace_sizing as wl
 from kvledger.workload.traces import read_trace
 from tests.cli_helpers import assert_one_line_error, kvledger
 

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import asdict
 
 from kvledger.cli.common import non_negative_int, positive_int, print_json
-from kvledger.cli.plan import add_memory_arguments, memory_kwargs, resolve
+from kvledger.cli.plan import add_memory_arguments, planner_config, resolve
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -52,10 +52,10 @@ def run(args: argparse.Namespace) -> int:
         raise KVLedgerError("give a MODEL: a preset (kvledger kv-bytes --list), a Hugging Face id, a config.json or a "
                             "model directory")
     spec, gpu = resolve(args)
-    result = advise(spec, gpu, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, users=args.users,
-                    target_users=args.target_users, shared_prefix_tokens=args.shared_prefix_tokens,
-                    bandwidth=effective_bandwidth(gpu, args.bandwidth, args.bandwidth_efficiency),
-                    **memory_kwargs(args))
+    result = advise(spec, gpu, planner_config(args), prompt_tokens=args.prompt_tokens,
+                    output_tokens=args.output_tokens, users=args.users, target_users=args.target_users,
+                    shared_prefix_tokens=args.shared_prefix_tokens,
+                    bandwidth=effective_bandwidth(gpu, args.bandwidth, args.bandwidth_efficiency))
     if args.json:
         print_json(asdict(result))
         return 0

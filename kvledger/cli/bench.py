@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvledger.cli.common import print_json
     from kvledger.errors import KVLedgerError
-    from kvledger.bench.serve import BenchConfig, format_report, run_benchmark
+    from kvledger.loadgen.serve import BenchConfig, format_report, run_benchmark
 
     try:
         percentiles = tuple(float(p) for p in args.percentiles.split(","))

@@ -7,6 +7,8 @@ import argparse
 import sys
 
 from kvledger.cli.common import positive_int
+from kvledger.cli.flags import add_block_size, add_engine_dtype, add_max_num_batched_tokens
+from kvledger.config import CUDA_BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -16,15 +18,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "non-negative least squares (model run and CPU overhead apart), print the fit's error per "
                     "shape and write a JSON profile for 'kvledger simulate --profile'.")
     p.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF model directory")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights and activations dtype (default float32)")
+    add_engine_dtype(p, help="weights and activations dtype")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda if present)")
     p.add_argument("--out", default="profile.json", metavar="FILE", help="profile to write (default profile.json)")
     p.add_argument("--quick", action="store_true", help="a small grid, one repetition: seconds, a rougher fit")
     p.add_argument("--reps", type=positive_int, default=None, help="repetitions per shape (default 3, quick 1)")
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
-                   help="the engine's token budget per step (default 2048, the engine's)")
+    add_block_size(p, help=f"tokens per KV block (default {CUDA_BLOCK_SIZE})")
+    add_max_num_batched_tokens(p, help=f"the engine's token budget per step (default {MAX_NUM_BATCHED_TOKENS}, the "
+                                       "engine's)")
     p.add_argument("--kv-cache-memory", default="1GiB", metavar="BYTES",
                    help="KV pool of the measuring engine (default 1GiB)")
     p.add_argument("--step-log", default=None, metavar="FILE",
@@ -55,11 +56,13 @@ def device_name(engine) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.step_log:  # no engine, no torch: the fit alone
+        from kvledger.sim.calibrate import profile_from_step_log
+
         profile, report = profile_from_step_log(args.step_log)
         return write_and_report(profile, report, args)
     from datetime import datetime, timezone
 
-    from kvledger.engine.config import EngineConfig
+    from kvledger.config import EngineConfig
     from kvledger.engine.llm_engine import LLMEngine
     from kvledger.engine.sampling_params import SamplingParams
     from kvledger.sim.calibrate import fit, grid, measure
@@ -84,34 +87,6 @@ def run(args: argparse.Namespace) -> int:
                       block_size=engine.block_size, num_blocks=engine.num_blocks, coefficients=coefficients,
                       fit=report, created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
     return write_and_report(profile, report, args)
-
-
-def profile_from_step_log(path: str):
-    """A profile fitted from a step log's records, for the model and engine its header names."""
-    from datetime import datetime, timezone
-
-    from kvledger.engine.step_log import read_step_log
-    from kvledger.errors import KVLedgerError
-    from kvledger.sim.calibrate import fit_step_log
-    from kvledger.sim.step_model import ModelFingerprint, ModelGeometry, Profile
-    from kvledger.spec import ModelSpec
-
-    header, records = read_step_log(path)
-    try:
-        spec = ModelSpec.from_config_dict({**header["hf_config"], "torch_dtype": header["dtype"]},
-                                          name=header["model"])
-        kv_dtype, block_size, num_blocks = header["kv_cache_dtype"], int(header["block_size"]), int(header["num_blocks"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise KVLedgerError(f"{path}: the step log's header lacks the model or the pool ({err})") from None
-    if len(records) < 8:
-        raise KVLedgerError(f"{path} holds {len(records)} steps; a fit needs a serving run of at least 8")
-    coefficients, report = fit_step_log(records, ModelGeometry.of(spec, kv_dtype))
-    profile = Profile(device=str(header.get("device", "unknown")), model=spec.name,
-                      fingerprint=ModelFingerprint.of(spec), dtype=header["dtype"], kv_cache_dtype=kv_dtype,
-                      tensor_parallel_size=1, block_size=block_size, num_blocks=num_blocks,
-                      coefficients=coefficients, fit=report,
-                      created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
-    return profile, report
 
 
 def write_and_report(profile, report, args: argparse.Namespace) -> int:

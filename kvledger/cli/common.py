@@ -8,7 +8,6 @@ import math
 import sys
 from typing import Any, Callable
 
-from kvledger.spec.dtypes import KV_CACHE_DTYPES
 from kvledger.units import parse_rate, parse_size
 from kvledger.errors import KVLedgerError
 
@@ -84,21 +83,6 @@ size = _wrap(parse_size)
 rate = _wrap(parse_rate)
 
 
-def add_kv_cache_dtype(parser: argparse.ArgumentParser, default: str = "auto") -> None:
-    parser.add_argument("--kv-cache-dtype", default=default, choices=KV_CACHE_DTYPES, metavar="D",
-                        help=f"KV-cache element type: {', '.join(KV_CACHE_DTYPES)} (default: {default}, the model's dtype)")
-
-
 def print_json(obj: Any) -> None:
     json.dump(obj, sys.stdout, indent=2, default=str)
     sys.stdout.write("\n")
-
-
-def add_mamba_ssm_cache_dtype(parser: argparse.ArgumentParser) -> None:
-    """vLLM's ``--mamba-ssm-cache-dtype`` for a hybrid model's SSM / delta-rule state."""
-    from kvledger.spec.state import MAMBA_SSM_CACHE_DTYPES
-
-    parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=MAMBA_SSM_CACHE_DTYPES, metavar="D",
-                        help="hybrid models: dtype of the SSM state, " + ", ".join(MAMBA_SSM_CACHE_DTYPES)
-                             + " (default auto: the config's mamba_ssm_cache_dtype or mamba_ssm_dtype, the family's "
-                               "default, else the model dtype); the conv state keeps the model dtype")

@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from kvledger.cli.common import positive_int
-    from kvledger.engine.config import add_engine_args
+    from kvledger.cli.engine_args import add_engine_args
 
     p = subparsers.add_parser(
         "generate", help="generate text with the paged-KV engine and print its KV ledger",
@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvledger.engine.config import engine_config_from_args
+    from kvledger.cli.engine_args import engine_config_from_args
     from kvledger.engine.sampling_params import SamplingParams
 
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

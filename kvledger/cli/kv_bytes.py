@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-from kvledger.cli.common import add_kv_cache_dtype, add_mamba_ssm_cache_dtype, positive_int, print_json, token_count
+from kvledger.cli.common import positive_int, print_json, token_count
+from kvledger.cli.flags import add_block_size, add_kv_cache_dtype, add_mamba_ssm_cache_dtype, add_tensor_parallel_size
+from kvledger.config import CUDA_BLOCK_SIZE
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -17,12 +19,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_kv_cache_dtype(p)
     p.add_argument("--tokens", type=token_count, default=1, metavar="T", help="cached tokens per sequence (default 1)")
     p.add_argument("--batch", type=token_count, default=1, metavar="B", help="concurrent sequences (default 1)")
-    p.add_argument("--block-size", type=positive_int, default=16, metavar="N",
+    add_block_size(p, metavar="N",
                    help="tokens per KV block: sliding-window layers keep whole blocks, so they hold between the "
-                        "window and the window + N - 1 tokens, as the engine does (default 16, the engine's; "
-                        "1 counts exactly the window)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
-                   help="tensor-parallel ranks; bytes are then per rank (default 1)")
+                        f"window and the window + N - 1 tokens, as the engine does (default {CUDA_BLOCK_SIZE}, the "
+                        "engine's; 1 counts exactly the window)")
+    add_tensor_parallel_size(p, help="tensor-parallel ranks; bytes are then per rank (default 1)")
     add_mamba_ssm_cache_dtype(p)
     custom = p.add_argument_group("custom spec (instead of, or overriding, MODEL)")
     custom.add_argument("--layers", type=positive_int, metavar="L")

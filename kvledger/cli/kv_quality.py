@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvledger.cli.common import positive_int, print_json
+from kvledger.cli.flags import add_engine_dtype
 from kvledger.spec.dtypes import ENGINE_QUANTIZED_KV_DTYPES, KV_QUALITY_DEFAULT_KINDS
 
 
@@ -21,8 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-dtype", nargs="+", action="extend", choices=ENGINE_QUANTIZED_KV_DTYPES, metavar="D",
                    dest="kinds", help="8-bit kinds to compare with the unquantized cache "
                                       f"(default: {' '.join(KV_QUALITY_DEFAULT_KINDS)})")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="model dtype, also the reference cache's (default float32)")
+    add_engine_dtype(p, help="model dtype, also the reference cache's")
     p.add_argument("--max-tokens", type=positive_int, default=6400, help="tokens of the text to read (default 6400)")
     p.add_argument("--buckets", type=positive_int, default=8, help="context-position buckets (default 8)")
     p.add_argument("--chunk", type=positive_int, default=1024, help="tokens per forward chunk (default 1024)")
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.plot:
         pyplot(args.plot)  # a wrong name or a missing matplotlib fails now, not after the run
-    from kvledger.kv_quality import QualityConfig, run_kv_quality, to_json
+    from kvledger.evaluate.kv_quality import QualityConfig, run_kv_quality, to_json
 
     kinds = tuple(dict.fromkeys(args.kinds or KV_QUALITY_DEFAULT_KINDS))
     cfg = QualityConfig(model=args.model, text=args.text, kv_cache_dtypes=kinds, dtype=args.dtype,

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict
 from typing import Any
 
-from kvledger.cli.common import (add_kv_cache_dtype, add_mamba_ssm_cache_dtype, fraction, positive_int, print_json,
-                                 rate, size, token_count)
-from kvledger.spec.hybrid import DEFAULT_VLLM_VERSION, OLDEST_VLLM_VERSION
+from kvledger.cli.common import fraction, positive_int, print_json, rate, size, token_count
+from kvledger.cli.flags import (add_block_size, add_gpu_memory_utilization, add_kv_cache_dtype, add_max_num_batched_tokens,
+                                add_max_num_seqs, add_mamba_ssm_cache_dtype, add_tensor_parallel_size)
+from kvledger.config import (CUDA_BLOCK_SIZE, LARGE_CARD_MAX_NUM_BATCHED_TOKENS, LARGE_CARD_MAX_NUM_SEQS,
+                             MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, VLLM_BLOCK_SIZES, PlannerConfig)
 from kvledger.planner.bandwidth import CROSSOVER_CONTEXT, DEFAULT_BANDWIDTH_EFFICIENCY
-from kvledger.planner.memory_wall import DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION, VLLM_BLOCK_SIZES
+from kvledger.planner.memory_wall import LARGE_CARD_BYTES
+from kvledger.spec.hybrid import DEFAULT_VLLM_VERSION, OLDEST_VLLM_VERSION
 from kvledger.spec.weights import MODEL_DTYPES, RUNTIME_QUANTIZATIONS, WEIGHT_DTYPE_BYTES
 from kvledger.units import GiB
+
+PLANNER = PlannerConfig()
+"""The planner's defaults, which the flags take."""
 
 
 def add_memory_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,8 +28,9 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPU from the catalog, e.g. a100-80gb, h100-80gb, l4 ('--gpu list' lists the catalog)")
     p.add_argument("--gpu-memory", type=size, metavar="SIZE",
                    help="override the card's memory (bytes or e.g. 80GiB); default: what the device reports")
-    p.add_argument("--gpu-memory-utilization", type=fraction, default=DEFAULT_GPU_MEMORY_UTILIZATION, metavar="F",
-                   help=f"share of the card the engine may claim (default {DEFAULT_GPU_MEMORY_UTILIZATION}, vLLM's)")
+    add_gpu_memory_utilization(p, default=PLANNER.gpu_memory_utilization, metavar="F",
+                               help=f"share of the card the engine may claim (default {PLANNER.gpu_memory_utilization}, "
+                                    "vLLM's)")
     p.add_argument("--overhead", type=size, metavar="SIZE",
                    help="replaces the sum of activation peak, non-torch and CUDA-graph memory")
     p.add_argument("--activation-memory", type=size, metavar="SIZE", help="override the activation-peak estimate")
@@ -35,26 +41,29 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", type=size, metavar="SIZE",
                    help="KV pool per card, replacing the whole wall (vLLM's kv_cache_memory_bytes)")
     add_kv_cache_dtype(p)
-    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
-                   help="tensor-parallel ranks; weights and KV heads split, numbers are per card (default 1)")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1, metavar="N",
-                   help="pipeline stages; layers split, numbers are the last stage's card (default 1)")
-    p.add_argument("--block-size", type=int, default=None, choices=VLLM_BLOCK_SIZES, metavar="N",
-                   help=f"tokens per KV block: {', '.join(map(str, VLLM_BLOCK_SIZES))} (default {DEFAULT_BLOCK_SIZE}; "
+    add_tensor_parallel_size(p, help="tensor-parallel ranks; weights and KV heads split, numbers are per card "
+                                     f"(default {PLANNER.tensor_parallel_size})")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=PLANNER.pipeline_parallel_size,
+                   metavar="N", help="pipeline stages; layers split, numbers are the last stage's card "
+                                     f"(default {PLANNER.pipeline_parallel_size})")
+    add_block_size(p, default=PLANNER.block_size, vllm_sizes=True,
+                   help=f"tokens per KV block: {', '.join(map(str, VLLM_BLOCK_SIZES))} (default {CUDA_BLOCK_SIZE}; "
                         "a hybrid model's block is raised until one page holds a layer's state, as vLLM does)")
-    p.add_argument("--dtype", default="auto", choices=("auto", *MODEL_DTYPES), metavar="D",
+    p.add_argument("--dtype", default=PLANNER.dtype, choices=("auto", *MODEL_DTYPES), metavar="D",
                    help=f"vLLM's --dtype for weights and activations: auto, {', '.join(MODEL_DTYPES)} "
                         "(default auto: the config's torch_dtype)")
     p.add_argument("--quantization", "-q", choices=RUNTIME_QUANTIZATIONS, metavar="METHOD",
                    help="vLLM's runtime quantization of an unquantized checkpoint: fp8 (linear layers 1 byte)")
     p.add_argument("--weights-dtype", choices=tuple(WEIGHT_DTYPE_BYTES), metavar="D",
                    help=f"what-if: every weight at this size: {', '.join(WEIGHT_DTYPE_BYTES)}")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, metavar="N",
-                   help="tokens in the profiling pass that sets the activation peak "
-                        "(default vLLM's for the card: 8192 on 70 GiB+ cards but the A100, else 2048)")
-    p.add_argument("--max-num-seqs", type=positive_int, metavar="N",
-                   help="concurrency cap; sizes the sampler in the profiling pass "
-                        "(default vLLM's for the card: 1024 on 70 GiB+ cards but the A100, else 256)")
+    add_max_num_batched_tokens(p, default=PLANNER.max_num_batched_tokens, metavar="N",
+                               help="tokens in the profiling pass that sets the activation peak (default vLLM's for "
+                                    f"the card: {LARGE_CARD_MAX_NUM_BATCHED_TOKENS} on {LARGE_CARD_BYTES // GiB} GiB+ "
+                                    f"cards but the A100, else {MAX_NUM_BATCHED_TOKENS})")
+    add_max_num_seqs(p, default=PLANNER.max_num_seqs, metavar="N",
+                     help="concurrency cap; sizes the sampler in the profiling pass (default vLLM's for the card: "
+                          f"{LARGE_CARD_MAX_NUM_SEQS} on {LARGE_CARD_BYTES // GiB} GiB+ cards but the A100, "
+                          f"else {MAX_NUM_SEQS})")
     p.add_argument("--bandwidth", type=rate, metavar="RATE",
                    help="sustained memory bandwidth, e.g. 1.5TB/s (default: the card's peak x --bandwidth-efficiency)")
     p.add_argument("--bandwidth-efficiency", type=fraction, default=DEFAULT_BANDWIDTH_EFFICIENCY, metavar="F",
@@ -92,13 +101,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def memory_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``plan_memory`` keyword arguments from the parsed flags."""
-    return dict(
+def planner_config(args: argparse.Namespace) -> PlannerConfig:
+    """The planner's settings from the parsed flags."""
+    return PlannerConfig(
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-        block_size=args.block_size, weights_dtype=args.weights_dtype,
-        dtype=None if args.dtype == "auto" else args.dtype, quantization=args.quantization,
+        block_size=args.block_size, weights_dtype=args.weights_dtype, dtype=args.dtype, quantization=args.quantization,
         overhead=args.overhead, kv_cache_memory=args.kv_cache_memory, activation=args.activation_memory,
         non_torch=args.non_torch_memory, cuda_graph=args.cuda_graph_memory,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
@@ -117,144 +125,6 @@ def resolve(args: argparse.Namespace):
     return spec, gpu
 
 
-def compute(args: argparse.Namespace) -> dict[str, Any]:
-    """Every number of the plan, as one JSON-ready dict (plus private objects under ``_``)."""
-    from kvledger.errors import KVLedgerError
-    from kvledger.planner import bandwidth as bw
-    from kvledger.planner.memory_wall import (CONTEXTS, check_max_model_len, max_concurrency, max_fitting_length,
-                                              plan_memory, request_held_bytes, startup_max_model_len, useful_work,
-                                              sequence_blocks, users_at, verdict)
-
-    if args.users is not None and args.context is None:
-        args.context = CROSSOVER_CONTEXT  # the default --help promises
-    if args.context is not None and args.users is None:
-        raise KVLedgerError("--context needs --users: the bandwidth model is for N users of T tokens each")
-    spec, gpu = resolve(args)
-    check_context(spec, args.context, "--context")
-    wall = plan_memory(spec, gpu, **memory_kwargs(args))
-    if args.max_model_len:
-        error = check_max_model_len(spec, wall, args.max_model_len)
-        if error:
-            raise KVLedgerError(error)
-    ceiling = args.max_model_len or spec.max_position_embeddings
-    contexts = [t for t in CONTEXTS if not ceiling or t <= ceiling]
-    contexts += [args.max_model_len] if args.max_model_len and args.max_model_len not in contexts else []
-    if not contexts:
-        contexts = [ceiling]
-    users = {str(t): users_at(spec, wall, t) for t in contexts}
-    bandwidth = bw.effective_bandwidth(gpu, args.bandwidth, args.bandwidth_efficiency)
-    conversation = args.context or CROSSOVER_CONTEXT
-    token_bytes = bw.live_token_bytes(spec, wall.kv_cache_dtype, conversation, wall.tensor_parallel_size)
-    crossover = bw.crossover_for(wall, token_bytes, conversation)
-    out: dict[str, Any] = {
-        "model": spec.name, "gpu": gpu.name, "gpu_full_name": gpu.full_name, "compute_capability": gpu.compute_capability,
-        "gpu_memory_given": args.gpu_memory is not None,
-        **{k: v for k, v in asdict(wall).items() if k not in ("model", "gpu")},
-        "kv_pool_gib": wall.kv_pool_bytes / GiB, "weights_gib": wall.weights_bytes / GiB,
-        "users_per_context": users,
-        "useful_work": {t: useful_work(n) for t, n in users.items()},
-        "held_bytes_per_context": {str(t): request_held_bytes(spec, wall, t) for t in contexts},
-        "blocks_per_context": {str(t): sequence_blocks(spec, wall, t) for t in contexts},
-        "bandwidth_bytes_per_s": bandwidth,
-        "crossover_tokens": crossover,
-        "crossover_context": conversation,
-        "crossover_conversations": crossover / conversation,
-        "max_fitting_length": max_fitting_length(spec, wall),
-        "vllm_max_model_len": startup_max_model_len(spec, wall),
-        "weight_bytes_read_per_step": bw.weight_bytes_read_per_step(wall, args.users or 1),
-        "weight_bytes_read_batch": args.users or 1,
-        "notes": list(spec.notes),
-        "warnings": list(wall.warnings),
-    }
-    model_max = spec.max_position_embeddings
-    refused_at_default = bool(not args.max_model_len and model_max and check_max_model_len(spec, wall, model_max))
-    if refused_at_default:
-        out["notes"].append(f"vLLM would refuse to start with the model's default max_model_len ({model_max:,}): "
-                            f"the pool holds {out['max_fitting_length']:,} tokens for one decoding sequence, and vLLM's "
-                            f"start-up check (sliding layers at their prefill worst case) allows "
-                            f"{out['vllm_max_model_len']:,}; set --max-model-len")
-    max_len = args.max_model_len or model_max
-    if max_len:
-        out["max_model_len"] = max_len
-        out["max_concurrency"] = max_concurrency(spec, wall, max_len)
-    if wall.hybrid:
-        out["notes"].append(
-            f"vLLM {wall.vllm_version}'s hybrid pool: each state layer keeps {wall.state_page_bytes:,} bytes per "
-            f"request (per rank); vLLM sets the attention block "
-            f"to {wall.block_size} tokens so a page holds one, pads the state page by {wall.state_padding_pct:.2f}%, "
-            f"and groups layers {wall.group_size} at a time ({wall.attention_groups} attention + {wall.state_groups} "
-            f"state groups); a request holds {wall.state_blocks_per_request} block(s) in each state group"
-            f" (prefix caching {'on' if wall.prefix_caching else 'off'})")
-    if args.users:
-        kv = bw.kv_read_bytes(spec, wall.kv_cache_dtype, args.users, args.context, wall.tensor_parallel_size)
-        step = bw.decode_step(bw.weight_bytes_read_per_step(wall, args.users), kv, args.users, args.context, bandwidth)
-        out.update({k: v for k, v in asdict(step).items() if k not in ("users", "context")})
-        out.update(users=args.users, context=args.context,
-                   load_fits=args.users <= users_at(spec, wall, args.context),
-                   request_held_bytes=request_held_bytes(spec, wall, args.context))
-    if args.workload:
-        out["workload"] = workload_report(args, spec, gpu, wall, bandwidth)
-    # vLLM starts with --max-model-len, or else the model's own context: the verdict holds it to that
-    v = verdict(spec, wall, max_model_len=args.max_model_len or spec.max_position_embeddings, users=args.users,
-                context=args.context)
-    if v.verdict == "does not fit" and v.term == "KV pool" and refused_at_default:
-        v = type(v)(v.verdict, "max-model-len",
-                    f"vLLM starts with the model's context ({spec.max_position_embeddings:,} tokens) unless told "
-                    f"otherwise, and its start-up check allows {out['vllm_max_model_len']:,} for one request",
-                    f"set --max-model-len {out['vllm_max_model_len']} or less")
-    out.update(verdict=v.verdict, verdict_term=v.term, verdict_reason=v.reason, verdict_advice=v.advice)
-    out["_"] = (spec, gpu, wall)
-    return out
-
-
-def check_context(spec, tokens: int | None, flag: str) -> None:
-    """A one-line error for a per-sequence length above the model's context."""
-    from kvledger.errors import KVLedgerError
-
-    model_max = spec.max_position_embeddings
-    if tokens is not None and model_max and tokens > model_max:
-        raise KVLedgerError(f"{flag} {tokens:,} is greater than the model's context, max_position_embeddings = "
-                            f"{model_max:,} in {spec.name}'s config; lower {flag}")
-
-
-def workload_report(args: argparse.Namespace, spec, gpu, wall, bandwidth: float) -> dict[str, Any]:
-    """The trace's lengths, its replay against the pool, the limits to set and the prefix savings.
-    The replay reads each live token at its cost in a sequence of the trace's mean live length
-    (exact for full-attention models; see ``bandwidth``)."""
-    from kvledger.planner import bandwidth as bw
-    from kvledger.planner import workload as wl
-    from kvledger.workload.traces import read_trace
-
-    trace = read_trace(args.workload)
-    context = max(1, round(wl.mean_live_tokens(trace)))
-    token_bytes = bw.live_token_bytes(spec, wall.kv_cache_dtype, context, wall.tensor_parallel_size)
-    rep = wl.replay(trace, lambda live: bw.step_time(bw.weight_bytes_read_per_step(wall, max(1, round(live / context))),
-                                                     live, token_bytes, bandwidth),
-                    bw.prefill_seconds_per_token(spec, gpu, wall.tensor_parallel_size))
-    stats = rep.stats(wall.kv_tokens) if rep else None
-    out = {
-        "file": trace.name, "format": trace.format, "requests": len(trace), "duration_s": trace.duration_s,
-        "prompt_tokens": wl.percentiles(trace.prompt), "output_tokens": wl.percentiles(trace.output),
-        "total_tokens": wl.percentiles(trace.total), "histogram": wl.histogram(trace),
-        "replay": stats,
-        "recommend": wl.recommend(trace, wall.block_size, wall.kv_tokens,
-                                  stats["live_tokens_per_sequence"] if stats else None, spec.max_position_embeddings),
-        "prefix_caching": wl.prefix_savings(trace, args.shared_prefix_tokens),
-    }
-    out["_trace"] = trace
-    out["_replay"] = rep
-    return out
-
-
-def _strip(obj: Any) -> Any:
-    """Drop private entries (keys starting with ``_``) for JSON."""
-    if isinstance(obj, dict):
-        return {k: _strip(v) for k, v in obj.items() if not k.startswith("_")}
-    if isinstance(obj, list):
-        return [_strip(v) for v in obj]
-    return obj
-
-
 def run(args: argparse.Namespace) -> int:
     import sys
 
@@ -268,18 +138,22 @@ def run(args: argparse.Namespace) -> int:
 
         raise KVLedgerError("give a MODEL: a preset (kvledger kv-bytes --list), a Hugging Face id, a config.json or a "
                             "model directory")
-    plan = compute(args)
-    for warning in plan["warnings"]:
+    from kvledger import planner
+
+    spec, gpu = resolve(args)
+    plan = planner.plan(spec, gpu, planner_config(args), users=args.users, context=args.context,
+                        workload=args.workload, shared_prefix_tokens=args.shared_prefix_tokens,
+                        bandwidth=args.bandwidth, bandwidth_efficiency=args.bandwidth_efficiency,
+                        gpu_memory_given=args.gpu_memory is not None)
+    for warning in plan.numbers["warnings"]:
         print(f"kvledger plan: warning: {warning}", file=sys.stderr)
     if args.plot:
         from kvledger.planner.plot import plot_plan
 
-        spec, gpu, wall = plan["_"]
-        trace = plan.get("workload", {}).get("_trace")
-        plot_plan(args.plot, spec, wall, trace, plan.get("workload", {}).get("_replay"))
-        plan["plot"] = args.plot
+        plot_plan(args.plot, plan.spec, plan.wall, plan.trace, plan.replay)
+        plan.numbers["plot"] = args.plot
     if args.json:
-        print_json(_strip(plan))
+        print_json(plan.numbers)
     else:
         print_plan(plan)
     return 0
@@ -290,12 +164,13 @@ def _gib(n: float) -> str:
     return f"{n / GiB:,.2f}"
 
 
-def print_plan(plan: dict[str, Any]) -> None:
+def print_plan(result) -> None:
+    """The text report of a :class:`kvledger.planner.capacity.Plan`."""
     from tabulate import tabulate
 
     from kvledger.units import format_bytes, format_rate
 
-    spec, gpu, wall = plan["_"]
+    spec, gpu, wall, plan = result.spec, result.gpu, result.wall, result.numbers
     tp = wall.tensor_parallel_size
     print(f"{spec.describe()}")
     if wall.hybrid:  # the version rules are the hybrid pool's; other models' numbers are the same in every release

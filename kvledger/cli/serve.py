@@ -9,7 +9,7 @@ from kvledger.cli.common import non_negative_float, positive_int, size
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from kvledger.engine.config import add_engine_args
+    from kvledger.cli.engine_args import add_engine_args
 
     p = subparsers.add_parser(
         "serve", help="serve a model over OpenAI's API, with /metrics and a live /dashboard",
@@ -51,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kvledger.engine.config import engine_config_from_args
+    from kvledger.cli.engine_args import engine_config_from_args
     from kvledger.engine.llm_engine import LLMEngine
     from kvledger.errors import KVLedgerError
     from kvledger.server.engine_thread import on_engine_thread
@@ -108,7 +108,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
     import threading
 
     from kvledger.cluster import launch
-    from kvledger.engine.config import engine_config_from_args
+    from kvledger.cli.engine_args import engine_config_from_args
     from kvledger.server.launcher import bind_socket
 
     launch.ray_serve()  # the install hint before anything starts

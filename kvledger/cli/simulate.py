@@ -5,13 +5,18 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvledger.cli.common import add_kv_cache_dtype, fraction, positive_float, positive_int, simulated_request_rate, size
-from kvledger.planner.memory_wall import (DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION,
-                                          DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS)
+from kvledger.cli.common import positive_float, positive_int, simulated_request_rate, size
+from kvledger.cli.flags import (add_block_size, add_gpu_memory_utilization, add_kv_cache_dtype, add_max_num_batched_tokens,
+                                add_max_num_seqs, add_tensor_parallel_size)
+from kvledger.config import SimulatorConfig
+
+SIMULATOR = SimulatorConfig(model="")
+"""The simulator's defaults, which the flags take."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from kvledger.sim.routers import ROUTERS
+    from kvledger.sim.setup import DEFAULT_FIND_SLO
 
     p = subparsers.add_parser(
         "simulate", help="simulate serving a trace: TTFT/TPOT/ITL/E2EL, preemptions, prefix hits, replicas needed",
@@ -37,26 +42,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for row sampling and arrivals (default 0)")
     p.add_argument("--shared-prefix-tokens", type=positive_int, default=0, metavar="N",
                    help="every prompt starts with the same N tokens (a system prompt; prefix caching shares them)")
-    p.add_argument("--replicas", type=positive_int, default=1, help="identical replicas behind the router (default 1)")
-    p.add_argument("--router", default="least-loaded", metavar="NAME",
-                   help=f"{', '.join(ROUTERS)} (default least-loaded)")
+    p.add_argument("--replicas", type=positive_int, default=SIMULATOR.replicas,
+                   help=f"identical replicas behind the router (default {SIMULATOR.replicas})")
+    p.add_argument("--router", default=SIMULATOR.router, metavar="NAME",
+                   help=f"{', '.join(ROUTERS)} (default {SIMULATOR.router})")
     p.add_argument("--slo", default=None, metavar="SPEC",
                    help="targets, e.g. ttft_p99=2s,tpot_p99=100ms[,goodput=99%%] (ttft/tpot/itl/e2el, pNN or mean)")
     p.add_argument("--find-replicas", action="store_true",
-                   help="search the smallest --replicas that meets --slo (default SLO ttft_p99=2s,tpot_p99=100ms)")
+                   help=f"search the smallest --replicas that meets --slo (default SLO {DEFAULT_FIND_SLO})")
     g = p.add_argument_group("engine (vLLM flag names; defaults are vLLM's, as in plan)")
-    g.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE)
-    g.add_argument("--max-num-seqs", type=positive_int, default=DEFAULT_MAX_NUM_SEQS)
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
-    g.add_argument("--max-model-len", type=positive_int, default=None,
+    add_block_size(g, default=SIMULATOR.block_size)
+    add_max_num_seqs(g, default=SIMULATOR.max_num_seqs)
+    add_max_num_batched_tokens(g, default=SIMULATOR.max_num_batched_tokens)
+    g.add_argument("--max-model-len", type=positive_int, default=SIMULATOR.max_model_len,
                    help="prompts are cut so prompt + output fits (default: the model's context, capped by the pool)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    add_kv_cache_dtype(g, default=None)
-    g.add_argument("--gpu-memory-utilization", type=fraction, default=DEFAULT_GPU_MEMORY_UTILIZATION)
-    g.add_argument("--kv-cache-memory", type=size, default=None, metavar="SIZE", help="KV pool bytes per replica")
-    g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None, metavar="N")
-    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N")
-    g.add_argument("--vllm-version", metavar="X.Y", default=None,
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=SIMULATOR.enable_prefix_caching)
+    add_kv_cache_dtype(g, default=SIMULATOR.kv_cache_dtype)
+    add_gpu_memory_utilization(g, default=SIMULATOR.gpu_memory_utilization)
+    g.add_argument("--kv-cache-memory", type=size, default=SIMULATOR.kv_cache_memory, metavar="SIZE",
+                   help="KV pool bytes per replica")
+    g.add_argument("--num-gpu-blocks-override", type=positive_int, default=SIMULATOR.num_gpu_blocks_override,
+                   metavar="N")
+    add_tensor_parallel_size(g)
+    g.add_argument("--vllm-version", metavar="X.Y", default=SIMULATOR.vllm_version,
                    help="hybrid models: the vLLM release whose pool rules to follow (default the newest modeled)")
     p.add_argument("--json", action="store_true", help="print every number as one JSON object")
     p.add_argument("--plot", metavar="FILE", help="PNG: KV blocks vs the pool, running/waiting, TTFT and TPOT CDFs")
@@ -65,74 +74,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-DEFAULT_FIND_SLO = "ttft_p99=2s,tpot_p99=100ms"
-
-
 def setup(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(ModelSpec, Fleet, SLO or None) from the flags; every bad value is a KVLedgerError."""
-    from kvledger.engine.config import EngineConfig
-    from kvledger.errors import KVLedgerError
-    from kvledger.metrics.serving import parse_slo
-    from kvledger.sim.routers import ROUTERS
-    from kvledger.sim.simulate import Fleet
-    from kvledger.sim.step_model import Profile, StepModel
-    from kvledger.spec import kv_bytes, load_model_spec
+    from kvledger.sim.setup import setup_fleet
 
-    if args.router not in ROUTERS:
-        raise KVLedgerError(f"unknown router {args.router!r}; use one of {', '.join(ROUTERS)}")
-    slo = parse_slo(args.slo) if args.slo else (parse_slo(DEFAULT_FIND_SLO) if args.find_replicas else None)
-    spec = load_model_spec(args.model)
-    tp = args.tensor_parallel_size
-    hybrid = None
-    if args.profile and spec.is_hybrid:
-        raise KVLedgerError(f"{spec.name} is a hybrid model: step profiles of hybrids are not modeled; use --gpu")
-    if args.profile:
-        profile = Profile.load(args.profile)
-        kv_dtype = args.kv_cache_dtype or profile.kv_cache_dtype
-        profile.check_model(spec, tp)
-        model = profile.step_model(spec, kv_dtype, args.profile)
-        if args.num_gpu_blocks_override:
-            num_blocks = args.num_gpu_blocks_override
-        elif args.kv_cache_memory is not None:
-            num_blocks = kv_bytes(spec, kv_dtype, tensor_parallel_size=tp).num_blocks(args.kv_cache_memory,
-                                                                                      args.block_size)
-        elif profile.num_blocks and profile.block_size == args.block_size:
-            num_blocks = profile.num_blocks
-        else:
-            raise KVLedgerError(f"the profile's pool is in blocks of {profile.block_size} tokens; give "
-                                "--num-gpu-blocks-override or --kv-cache-memory for --block-size "
-                                f"{args.block_size}")
-    else:
-        from kvledger.planner.gpus import get_gpu
-        from kvledger.planner.memory_wall import plan_memory
-
-        gpu = get_gpu(args.gpu)
-        kv_dtype = args.kv_cache_dtype or "auto"
-        wall = plan_memory(spec, gpu, gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=kv_dtype,
-                           tensor_parallel_size=tp, block_size=args.block_size,
-                           kv_cache_memory=args.kv_cache_memory,
-                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                           enable_prefix_caching=args.enable_prefix_caching, max_model_len=args.max_model_len,
-                           vllm_version=args.vllm_version)
-        num_blocks = args.num_gpu_blocks_override or wall.num_blocks
-        model = StepModel.from_gpu(spec, gpu, kv_dtype, tp)
-        if wall.hybrid:  # vLLM's block size for the model, its state blocks, its start-up refusal
-            from kvledger.sim.hybrid import HybridPool, check_max_num_seqs
-
-            args.block_size = wall.block_size
-            hybrid = HybridPool.from_wall(wall)
-            check_max_num_seqs(args.max_num_seqs, num_blocks, wall.refuses_max_num_seqs)
-    config = EngineConfig(model=args.model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          enable_prefix_caching=args.enable_prefix_caching, num_gpu_blocks_override=num_blocks,
-                          max_model_len=args.max_model_len)
-    fleet = Fleet(config, num_blocks, lambda: model, args.replicas, args.router, tp, hybrid=hybrid)
-    return spec, fleet, slo
+    return setup_fleet(SimulatorConfig.of(args), slo=args.slo, find_replicas=args.find_replicas)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvledger.cli.common import print_json
-    from kvledger.errors import KVLedgerError
+    from kvledger.sim.setup import max_request_len
     from kvledger.sim.simulate import build_requests, find_replicas, simulate, summary
     from kvledger.workload.sampling import sample_requests
     from kvledger.workload.traces import read_trace
@@ -143,12 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
         plt = pyplot(args.plot)  # a bad name or a missing matplotlib fails before the run
     spec, fleet, slo = setup(args)
-    bs = fleet.config.block_size
-    max_len = args.max_model_len or min(spec.max_position_embeddings or fleet.num_blocks * bs, fleet.num_blocks * bs)
-    if max_len > fleet.num_blocks * bs:
-        raise KVLedgerError(f"--max-model-len {max_len} exceeds the pool's {fleet.num_blocks} blocks x {bs} tokens")
-    if max_len < 2:
-        raise KVLedgerError(f"a request needs at least 2 tokens of context; the pool holds {fleet.num_blocks * bs}")
+    max_len = max_request_len(spec, fleet, args.max_model_len)
     trace = read_trace(args.workload)
     sampled, times = sample_requests(trace, args.num_prompts, seed=args.seed, sample=args.sample,
                                      length_scale=args.length_scale, request_rate=args.request_rate,

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         raise KVLedgerError(f"this geometry needs about {format_bytes(need)} of memory (its weights, "
                             f"{args.tokens:,} x {args.tokens:,} attention scores per head and the KV cache) but "
                             f"{format_bytes(have)} is available; lower --tokens, --head-dim, --heads or --batch")
-    from kvledger.verify import VerifyConfig, run_verify
+    from kvledger.evaluate.verify import VerifyConfig, run_verify
 
     cfg = VerifyConfig(layers=args.layers, heads=args.heads, kv_heads=args.kv_heads or args.heads,
                        head_dim=args.head_dim, tokens=args.tokens, batch=args.batch, dtype=args.dtype,

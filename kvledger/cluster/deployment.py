@@ -105,7 +105,7 @@ class EngineReplica:
     def __init__(self, engine_kwargs: dict[str, Any], app_kwargs: dict[str, Any], num_threads: int | None = None) -> None:
         import torch
 
-        from kvledger.engine.config import EngineConfig
+        from kvledger.config import EngineConfig
         from kvledger.engine.llm_engine import LLMEngine
         from kvledger.server.engine_thread import on_engine_thread
         from kvledger.server.launcher import build_app

@@ -47,7 +47,8 @@ def deploy(engine_kwargs: dict[str, Any], app_kwargs: dict[str, Any], num_replic
 
     from kvledger.cluster.deployment import BOARD_NAME, NAMESPACE, EngineReplica, Ingress, MetricsBoard
     from kvledger.cluster.router import PrefixAffinityRouter
-    from kvledger.engine.config import default_block_size
+    from kvledger.config import default_block_size
+    from kvledger.engine.model_runner import pick_device
 
     if not ray.is_initialized():
         ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
@@ -69,7 +70,7 @@ def deploy(engine_kwargs: dict[str, Any], app_kwargs: dict[str, Any], num_replic
 
     threads = max(1, (os.cpu_count() or 1) // num_replicas)
     # the router hashes prompts in the replicas' blocks: the size they will take when none is given
-    block_size = engine_kwargs.get("block_size") or default_block_size(engine_kwargs.get("device") or "auto")
+    block_size = engine_kwargs.get("block_size") or default_block_size(pick_device(engine_kwargs.get("device") or "auto").type)
     app = ingress.bind(replicas.bind(engine_kwargs, app_kwargs, threads), engine_kwargs.get("model"),
                        engine_kwargs.get("tokenizer"), block_size, num_replicas)
     serve.run(app, name=APP_NAME, route_prefix="/")

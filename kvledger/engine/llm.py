@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
-from kvledger.engine.config import EngineConfig
+from kvledger.config import EngineConfig
 from kvledger.engine.llm_engine import LLMEngine
 from kvledger.engine.outputs import KVLedger, RequestOutput
 from kvledger.engine.sampling_params import SamplingParams

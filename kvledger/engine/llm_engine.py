@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvledger.engine.config import EngineConfig
+from kvledger.config import EngineConfig
 from kvledger.engine.model_runner import ModelRunner
 from kvledger.engine.outputs import CompletionOutput, KVGroupLedger, KVLedger, RequestOutput, StepRecord
 from kvledger.engine.sampler import sample

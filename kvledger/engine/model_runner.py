@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
-from kvledger.engine.config import CPU_KV_CACHE_MAX, CPU_KV_CACHE_SHARE, GPU_MEMORY_UTILIZATION, EngineConfig, default_block_size
+from kvledger.config import CPU_KV_CACHE_MAX, CPU_KV_CACHE_SHARE, GPU_MEMORY_UTILIZATION, EngineConfig, default_block_size
 from kvledger.distributed import parallel_state as ps
 from kvledger.distributed.ranks import RankFailure, RankGroup, map_tensors, rank_device, receive
 from kvledger.engine.compile import ModelStep, compile_enabled

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvledger.engine.config import EngineConfig
+from kvledger.config import EngineConfig
 from kvledger.kvcache.manager import KVCacheManager
 from kvledger.engine.sequence import Request, RequestStatus
 

@@ -32,9 +32,10 @@ two or three).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvledger.config import PlannerConfig
 from kvledger.errors import KVLedgerError
 from kvledger.planner.bandwidth import decode_step, effective_bandwidth, kv_read_bytes, weight_bytes_read_per_step
 from kvledger.planner.gpus import GPU
@@ -102,9 +103,11 @@ class Advice:
     """Hybrids: the share of one user's blocks that hold its recurrent state (0 for other models)."""
 
 
-def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int, users: int, target_users: int,
-           shared_prefix_tokens: int = 0, bandwidth: float | None = None, **memory: Any) -> Advice:
-    """Rank the levers for the scenario. ``memory`` takes ``plan_memory``'s keyword arguments."""
+def advise(spec: ModelSpec, gpu: GPU, config: PlannerConfig | None = None, *, prompt_tokens: int, output_tokens: int,
+           users: int, target_users: int, shared_prefix_tokens: int = 0, bandwidth: float | None = None,
+           **settings: Any) -> Advice:
+    """Rank the levers for the scenario on the card ``config`` plans (keyword ``settings`` name its
+    fields and replace them, as in ``plan_memory``)."""
     for value, flag in ((prompt_tokens, "--prompt-tokens"), (users, "--users"), (target_users, "--target-users")):
         if value <= 0:
             raise KVLedgerError(f"{flag} must be a positive integer, got {value}")
@@ -112,7 +115,8 @@ def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int,
         raise KVLedgerError("--output-tokens and --shared-prefix-tokens must not be negative")
     if shared_prefix_tokens > prompt_tokens:
         raise KVLedgerError(f"--shared-prefix-tokens ({shared_prefix_tokens}) exceeds --prompt-tokens ({prompt_tokens})")
-    wall = plan_memory(spec, gpu, **memory)
+    config = replace(config or PlannerConfig(), **settings)
+    wall = plan_memory(spec, gpu, config)
     per_user = prompt_tokens + output_tokens
     model_max = spec.max_position_embeddings
     if model_max and per_user > model_max:
@@ -147,7 +151,7 @@ def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int,
             f"{sequence_blocks(spec, wall, per_user)} blocks, {wall.state_bytes_per_request / 2**20:,.1f} MiB of state "
             "per request, fixed): token levers (KV dtype, shorter contexts, --max-model-len) act only on the rest")
         if wall.prefix_caching:
-            alt = plan_memory(spec, gpu, **{**memory, "enable_prefix_caching": False})
+            alt = plan_memory(spec, gpu, config, enable_prefix_caching=False)
             levers.append(lever(
                 "no-prefix-caching", "--no-enable-prefix-caching", users_at(spec, alt, per_user), "latency",
                 f"a request then holds {alt.state_blocks_per_request} state block per state group instead of "
@@ -173,7 +177,7 @@ def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int,
         "check the TPOT SLO", lifts_admission=True))
 
     if not wall.kv_pool_given and wall.gpu_memory_utilization < RAISED_UTILIZATION:
-        raised = plan_memory(spec, gpu, **{**memory, "gpu_memory_utilization": RAISED_UTILIZATION})
+        raised = plan_memory(spec, gpu, config, gpu_memory_utilization=RAISED_UTILIZATION)
         levers.append(lever(
             "gpu-memory-utilization", f"--gpu-memory-utilization {RAISED_UTILIZATION}", users_at(spec, raised, per_user),
             "headroom", f"{raised.kv_tokens:,} tokens instead of {wall.kv_tokens:,}; price: less room outside the pool "
@@ -193,7 +197,7 @@ def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int,
     if wall.kv_cache_dtype not in QUANTIZED_KV_DTYPES:
         kinds = (["fp8"] if gpu.fp8_kv else []) + ["int8"]
         for kind in kinds:
-            alt = plan_memory(spec, gpu, **{**memory, "kv_cache_dtype": kind})
+            alt = plan_memory(spec, gpu, config, kv_cache_dtype=kind)
             ratio = alt.num_blocks / wall.num_blocks
             levers.append(lever(
                 f"kv-cache-{kind}", f"--kv-cache-dtype {kind}", users_at(spec, alt, per_user), f"quality-{kind}",
@@ -208,7 +212,7 @@ def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int,
                         "no lever is needed")
 
     tp = wall.tensor_parallel_size
-    bigger = _bigger_tensor_parallel(spec, gpu, memory, tp)
+    bigger = _bigger_tensor_parallel(spec, gpu, config, tp)
     if bigger is not None:
         size, alt = bigger
         levers.append(lever(
@@ -236,12 +240,13 @@ def advise(spec: ModelSpec, gpu: GPU, *, prompt_tokens: int, output_tokens: int,
     )
 
 
-def _bigger_tensor_parallel(spec: ModelSpec, gpu: GPU, memory: dict[str, Any], tp: int) -> tuple[int, MemoryWall] | None:
+def _bigger_tensor_parallel(spec: ModelSpec, gpu: GPU, config: PlannerConfig,
+                            tp: int) -> tuple[int, MemoryWall] | None:
     """The first of 2, 4 and 8 times ``tp`` ranks that plans (its ranks split the heads and the
     model fits), with its wall; ``None`` when none does."""
     for size in (2 * tp, 4 * tp, 8 * tp):
         try:
-            return size, plan_memory(spec, gpu, **{**memory, "tensor_parallel_size": size})
+            return size, plan_memory(spec, gpu, config, tensor_parallel_size=size)
         except KVLedgerError:
             continue
     return None

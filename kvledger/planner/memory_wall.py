@@ -30,10 +30,12 @@ pool is the smallest and so sets vLLM's count).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable
 
+from kvledger.config import (CUDA_BLOCK_SIZE, LARGE_CARD_MAX_NUM_BATCHED_TOKENS, LARGE_CARD_MAX_NUM_SEQS,
+                             MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, VLLM_BLOCK_SIZES, PlannerConfig)
 from kvledger.errors import KVLedgerError
 from kvledger.planner.gpus import GPU, kv_dtype_warning
 from kvledger.spec import ModelSpec, kv_bytes
@@ -41,24 +43,9 @@ from kvledger.spec.hybrid import DEFAULT_VLLM_VERSION, HybridLayout, layout_for,
 from kvledger.spec.weights import MODEL_DTYPES, WeightBytes, model_dtype, weight_bytes_breakdown
 from kvledger.units import GiB, MiB
 
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
-"""vLLM's default ``--gpu-memory-utilization``."""
-DEFAULT_BLOCK_SIZE = 16
-"""vLLM's default ``--block-size`` on CUDA (tokens per block)."""
-VLLM_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
-"""The ``--block-size`` values vLLM accepts on CUDA."""
 LARGE_CARD_BYTES = 70 * GiB
-"""vLLM raises its serving defaults on cards of at least this much memory, the A100 excepted."""
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-"""Tokens in vLLM's profiling forward pass for ``vllm serve`` on a large card (its log:
-"Defaulting max_num_batched_tokens to 8192 for OPENAI_API_SERVER usage context")."""
-SMALL_CARD_MAX_NUM_BATCHED_TOKENS = 2048
-"""The same default on smaller cards and on the A100."""
-DEFAULT_MAX_NUM_SEQS = 1024
-"""vLLM's ``--max-num-seqs`` for serving on a large card ("Defaulting max_num_seqs to 1024"):
-the sampler's profiling batch."""
-SMALL_CARD_MAX_NUM_SEQS = 256
-"""The same default on smaller cards and on the A100."""
+"""vLLM raises its serving defaults on cards of at least this much memory, the A100 excepted
+(``LARGE_CARD_MAX_NUM_SEQS``, ``LARGE_CARD_MAX_NUM_BATCHED_TOKENS``)."""
 
 # ----- the activation peak of the profiling pass (calibrated on the validation table)
 SAMPLER_FP32_COPIES = 3
@@ -120,12 +107,12 @@ TP_HINT_SIZES = (2, 4, 8, 16, 32, 64)
 def default_max_num_seqs(gpu: GPU) -> int:
     """vLLM's serving default of ``--max-num-seqs`` on ``gpu``: 1024 on cards of 70 GiB and
     more except the A100, else 256."""
-    return DEFAULT_MAX_NUM_SEQS if _large_card(gpu) else SMALL_CARD_MAX_NUM_SEQS
+    return LARGE_CARD_MAX_NUM_SEQS if _large_card(gpu) else MAX_NUM_SEQS
 
 
 def default_max_num_batched_tokens(gpu: GPU) -> int:
     """vLLM's serving default of ``--max-num-batched-tokens`` on ``gpu``: 8192 on large cards, else 2048."""
-    return DEFAULT_MAX_NUM_BATCHED_TOKENS if _large_card(gpu) else SMALL_CARD_MAX_NUM_BATCHED_TOKENS
+    return LARGE_CARD_MAX_NUM_BATCHED_TOKENS if _large_card(gpu) else MAX_NUM_BATCHED_TOKENS
 
 
 def _large_card(gpu: GPU) -> bool:
@@ -149,8 +136,8 @@ class Overheads:
 
 
 def activation_peak_bytes(spec: ModelSpec, tensor_parallel_size: int = 1,
-                          max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                          max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, act_bytes: int = 2) -> int:
+                          max_num_batched_tokens: int = LARGE_CARD_MAX_NUM_BATCHED_TOKENS,
+                          max_num_seqs: int = LARGE_CARD_MAX_NUM_SEQS, act_bytes: int = 2) -> int:
     """Peak of PyTorch's allocator in vLLM's profiling pass (bytes per rank), from the shapes.
 
     The sampler term dominates: ``max_num_seqs x vocab x (3 x 4 + act_bytes)`` (see
@@ -181,7 +168,7 @@ def non_torch_bytes(tensor_parallel_size: int = 1, pipeline_parallel_size: int =
     return NON_TORCH_BYTES
 
 
-def cuda_graph_capture_sizes(spec: ModelSpec, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> int:
+def cuda_graph_capture_sizes(spec: ModelSpec, max_num_seqs: int = LARGE_CARD_MAX_NUM_SEQS) -> int:
     """How many batch sizes vLLM captures: 1, 2, 4, every 8 to 256, every 16 above, up to
     ``min(max capture, 2 x max_num_seqs)`` (the architecture's max capture where vLLM raises it)."""
     archs = spec.config.get("architectures") or []
@@ -191,7 +178,7 @@ def cuda_graph_capture_sizes(spec: ModelSpec, max_num_seqs: int = DEFAULT_MAX_NU
     return len([n for n in sizes if n <= top])
 
 
-def cuda_graph_bytes(spec: ModelSpec, stage_layers: int, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> int:
+def cuda_graph_bytes(spec: ModelSpec, stage_layers: int, max_num_seqs: int = LARGE_CARD_MAX_NUM_SEQS) -> int:
     """CUDA graph memory vLLM captures after the pool is sized, per rank (bytes)."""
     per_size = CUDA_GRAPH_BYTES_PER_SIZE + CUDA_GRAPH_BYTES_PER_SIZE_LAYER * stage_layers
     return cuda_graph_capture_sizes(spec, max_num_seqs) * per_size
@@ -214,8 +201,8 @@ def stage_layers(spec: ModelSpec, pipeline_parallel_size: int = 1) -> int:
 
 def overheads(spec: ModelSpec, tensor_parallel_size: int = 1, *, overhead: int | None = None,
               activation: int | None = None, non_torch: int | None = None,
-              max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-              max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, pipeline_parallel_size: int = 1,
+              max_num_batched_tokens: int = LARGE_CARD_MAX_NUM_BATCHED_TOKENS,
+              max_num_seqs: int = LARGE_CARD_MAX_NUM_SEQS, pipeline_parallel_size: int = 1,
               act_bytes: int = 2) -> Overheads:
     """The in-budget overhead terms at ``tensor_parallel_size``: each user value (bytes per
     rank) where given, else its formula; ``overhead`` replaces their sum."""
@@ -263,8 +250,8 @@ class MemoryWall:
     dtype: str = "bfloat16"
     """The model dtype the weights and an ``auto`` cache take (vLLM's ``--dtype``)."""
     quantization: str | None = None
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = LARGE_CARD_MAX_NUM_SEQS
+    max_num_batched_tokens: int = LARGE_CARD_MAX_NUM_BATCHED_TOKENS
     cuda_graph_bytes: int = 0
     """Outside the pool: captured after it is sized (vLLM 0.19)."""
     cuda_context_bytes: int = CUDA_CONTEXT_BYTES
@@ -328,83 +315,59 @@ class MemoryWall:
         return self.block_bytes // self.block_size
 
 
-def plan_memory(
-    spec: ModelSpec,
-    gpu: GPU,
-    *,
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
-    kv_cache_dtype: str = "auto",
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-    block_size: int | None = None,
-    weights_dtype: str | None = None,
-    dtype: str | None = None,
-    quantization: str | None = None,
-    overhead: int | None = None,
-    kv_cache_memory: int | None = None,
-    activation: int | None = None,
-    non_torch: int | None = None,
-    cuda_graph: int | None = None,
-    max_num_batched_tokens: int | None = None,
-    max_num_seqs: int | None = None,
-    mamba_ssm_cache_dtype: str = "auto",
-    enable_prefix_caching: bool | None = None,
-    vllm_version: str | None = None,
-    max_model_len: int | None = None,
-) -> MemoryWall:
-    """The wall for ``spec`` on ``gpu``; raises KVLedgerError when the model does not fit.
-    ``max_num_batched_tokens`` and ``max_num_seqs`` default to vLLM's serving defaults for the card.
-    ``block_size`` left unset is vLLM's default (16 on CUDA; for a hybrid model, the size vLLM
-    aligns to the state, see ``spec.hybrid``). ``mamba_ssm_cache_dtype``, ``enable_prefix_caching``
-    (``None``: the release's default), ``vllm_version`` (``None``: the newest modeled) and
-    ``max_model_len`` (the token line of vLLM 0.20+ is printed at it; default the model's
-    context) matter only for hybrid models."""
-    if not 0 < gpu_memory_utilization <= 1:
-        raise KVLedgerError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
-    rules = vllm_rules(vllm_version)
-    given_block_size = block_size
+def plan_memory(spec: ModelSpec, gpu: GPU, config: PlannerConfig | None = None, **settings) -> MemoryWall:
+    """The wall for ``spec`` on ``gpu`` under ``config`` (:class:`kvledger.config.PlannerConfig`;
+    keyword arguments name its fields and replace them); raises KVLedgerError when the model does
+    not fit. Unset settings take vLLM's defaults (see ``PlannerConfig``); ``max_model_len`` is
+    where a hybrid model's token line (vLLM 0.20+) is printed."""
+    c = replace(config or PlannerConfig(), **settings)
+    if not 0 < c.gpu_memory_utilization <= 1:
+        raise KVLedgerError(f"--gpu-memory-utilization must be in (0, 1], got {c.gpu_memory_utilization}")
+    rules = vllm_rules(c.vllm_version)
+    given_block_size = block_size = c.block_size
     if block_size is None:
-        block_size = DEFAULT_BLOCK_SIZE
-    for value, flag in ((block_size, "--block-size"), (tensor_parallel_size, "--tensor-parallel-size"),
-                        (pipeline_parallel_size, "--pipeline-parallel-size")):
+        block_size = CUDA_BLOCK_SIZE
+    for value, flag in ((block_size, "--block-size"), (c.tensor_parallel_size, "--tensor-parallel-size"),
+                        (c.pipeline_parallel_size, "--pipeline-parallel-size")):
         if not isinstance(value, int) or value <= 0:
             raise KVLedgerError(f"{flag} must be a positive integer, got {value!r}")
     if block_size not in VLLM_BLOCK_SIZES:
         raise KVLedgerError(f"--block-size {block_size} is not one vLLM accepts; choose one of "
                             f"{', '.join(map(str, VLLM_BLOCK_SIZES))}")
-    for value, flag in ((overhead, "--overhead"), (kv_cache_memory, "--kv-cache-memory"), (activation, "--activation-memory"),
-                        (non_torch, "--non-torch-memory"), (cuda_graph, "--cuda-graph-memory")):
+    for value, flag in ((c.overhead, "--overhead"), (c.kv_cache_memory, "--kv-cache-memory"),
+                        (c.activation, "--activation-memory"), (c.non_torch, "--non-torch-memory"),
+                        (c.cuda_graph, "--cuda-graph-memory")):
         if value is not None and value < 0:
             raise KVLedgerError(f"{flag} must not be negative, got {value}")
-    seqs = max_num_seqs if max_num_seqs is not None else default_max_num_seqs(gpu)
-    batched = max_num_batched_tokens if max_num_batched_tokens is not None else default_max_num_batched_tokens(gpu)
-    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    seqs = c.max_num_seqs if c.max_num_seqs is not None else default_max_num_seqs(gpu)
+    batched = c.max_num_batched_tokens if c.max_num_batched_tokens is not None else default_max_num_batched_tokens(gpu)
+    tp, pp = c.tensor_parallel_size, c.pipeline_parallel_size
     layers = stage_layers(spec, pp)
-    unq = model_dtype(spec, dtype)
+    unq = model_dtype(spec, c.dtype)
     act_bytes = MODEL_DTYPES[unq]
-    kvb = kv_bytes(spec, kv_cache_dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp, model_dtype=unq,
-                   mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
+    kvb = kv_bytes(spec, c.kv_cache_dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp, model_dtype=unq,
+                   mamba_ssm_cache_dtype=c.mamba_ssm_cache_dtype)
     layout: HybridLayout | None = None
     if spec.is_hybrid:
-        layout = layout_for(kvb, mla=spec.is_mla, block_size=given_block_size, prefix_caching=enable_prefix_caching,
+        layout = layout_for(kvb, mla=spec.is_mla, block_size=given_block_size, prefix_caching=c.enable_prefix_caching,
                             vllm_version=rules.name)
         block_size = layout.block_size
     block_bytes = layout.block_bytes if layout else block_size * kvb.token_bytes
     warning = kv_dtype_warning(gpu, kvb.kv_cache_dtype)
-    parts_at = partial(weight_bytes_breakdown, spec, weights_dtype, dtype=dtype, quantization=quantization,
+    parts_at = partial(weight_bytes_breakdown, spec, c.weights_dtype, dtype=c.dtype, quantization=c.quantization,
                        compute_capability=gpu.compute_capability)  # mxfp4 experts as the card's kernel holds them
     parts = parts_at(tensor_parallel_size=tp)
     all_weights = parts.total
     # --overhead is the chapter's whole bill beside the checkpoint's tensors: the rotary table is in it
     weights = parts.per_rank(spec.num_layers, layers, tp, first_stage=pp == 1, last_stage=True,
-                             rope_cache=overhead is None)
-    overheads_at = partial(overheads, spec, overhead=overhead, activation=activation, non_torch=non_torch,
+                             rope_cache=c.overhead is None)
+    overheads_at = partial(overheads, spec, overhead=c.overhead, activation=c.activation, non_torch=c.non_torch,
                            max_num_batched_tokens=batched, max_num_seqs=seqs, pipeline_parallel_size=pp,
                            act_bytes=act_bytes)
     terms = overheads_at(tp)
-    requested = int(gpu.memory_bytes * gpu_memory_utilization)
-    if kv_cache_memory is not None:
-        pool = kv_cache_memory
+    requested = int(gpu.memory_bytes * c.gpu_memory_utilization)
+    if c.kv_cache_memory is not None:
+        pool = c.kv_cache_memory
         if weights + pool > gpu.memory_bytes:
             raise KVLedgerError(
                 f"weights ({weights / GiB:.2f} GiB per rank) plus --kv-cache-memory ({pool / GiB:.2f} GiB) exceed "
@@ -412,10 +375,10 @@ def plan_memory(
     else:
         pool = requested - weights - terms.total
         if pool <= 0:
-            fits = _fitting_tp(spec, kv_cache_dtype, given_block_size, parts_at, layers, pp, requested, tp, overheads_at,
-                               unq)
-            raise KVLedgerError(_does_not_fit(spec, gpu, weights, terms.total, requested, tp, gpu_memory_utilization,
-                                              weights_dtype, fits))
+            fits = _fitting_tp(spec, c.kv_cache_dtype, given_block_size, parts_at, layers, pp, requested, tp,
+                               overheads_at, unq)
+            raise KVLedgerError(_does_not_fit(spec, gpu, weights, terms.total, requested, tp, c.gpu_memory_utilization,
+                                              c.weights_dtype, fits))
     if layout:  # vLLM's hybrid pool: blocks of a page per group layer (the engine has no hybrid path)
         blocks = engine_blocks = layout.num_blocks(pool)
     else:
@@ -424,27 +387,27 @@ def plan_memory(
     if blocks == 0:
         raise KVLedgerError(f"the KV pool ({pool:,} bytes) holds not even one block of {block_size} tokens "
                             f"({block_bytes:,} bytes); give the cache more memory")
-    token_len = max_model_len or spec.max_position_embeddings
+    token_len = c.max_model_len or spec.max_position_embeddings
     kv_tokens = blocks * block_size
     if layout and token_len:
         kv_tokens = layout.kv_tokens(blocks, token_len)
     elif layout:
         kv_tokens = blocks // layout.num_groups * block_size
-    headroom = gpu.memory_bytes - (requested if kv_cache_memory is None else weights + terms.total + pool)
-    if overhead is not None:  # --overhead is the whole bill beside the weights (the chapter's assumption)
+    headroom = gpu.memory_bytes - (requested if c.kv_cache_memory is None else weights + terms.total + pool)
+    if c.overhead is not None:  # --overhead is the whole bill beside the weights (the chapter's assumption)
         context = comm = graphs = warmup = 0
     else:
         context = CUDA_CONTEXT_BYTES
-        graphs = cuda_graph_bytes(spec, layers, seqs) if cuda_graph is None else cuda_graph
+        graphs = cuda_graph_bytes(spec, layers, seqs) if c.cuda_graph is None else c.cuda_graph
         comm = COMM_INIT_BYTES if tp > 1 or pp > 1 else 0
         warmup = sampler_warmup_bytes(spec, seqs)
     left = headroom - context - comm - graphs - warmup
     return MemoryWall(
-        model=spec.name, gpu=gpu.name, total_bytes=gpu.memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
+        model=spec.name, gpu=gpu.name, total_bytes=gpu.memory_bytes, gpu_memory_utilization=c.gpu_memory_utilization,
         requested_bytes=requested, weights_bytes=weights, weights_bytes_all_ranks=all_weights,
         activation_bytes=terms.activation_bytes, non_torch_bytes=terms.non_torch_bytes,
-        overhead_bytes=terms.total, overhead_given=overhead is not None,
-        kv_pool_bytes=pool, kv_pool_given=kv_cache_memory is not None, kv_cache_dtype=kvb.kv_cache_dtype,
+        overhead_bytes=terms.total, overhead_given=c.overhead is not None,
+        kv_pool_bytes=pool, kv_pool_given=c.kv_cache_memory is not None, kv_cache_dtype=kvb.kv_cache_dtype,
         bytes_per_token=kvb.bytes_per_token, scale_bytes_per_token=kvb.scale_bytes_per_token,
         block_size=block_size, block_bytes=block_bytes, num_blocks=blocks,
         kv_tokens=kv_tokens, tensor_parallel_size=tp, sliding_window=spec.sliding_window,
@@ -467,8 +430,8 @@ def plan_memory(
         group_size=layout.group_size if layout else 0, attention_groups=layout.attention_groups if layout else 0,
         state_groups=layout.state_groups if layout else 0,
         state_blocks_per_request=layout.state_blocks_per_request if layout else 0,
-        prefix_caching=layout.prefix_caching if layout else enable_prefix_caching,
-        mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
+        prefix_caching=layout.prefix_caching if layout else c.enable_prefix_caching,
+        mamba_ssm_cache_dtype=c.mamba_ssm_cache_dtype,
         refuses_max_num_seqs=bool(layout) and rules.refuses_max_num_seqs_above_blocks,
         tokens_at_max_model_len=token_len if layout else None,
     )
@@ -491,7 +454,7 @@ def _fitting_tp(spec: ModelSpec, kv_cache_dtype: str, block_size: int | None, pa
                                                                 last_stage=True)
         pool = requested - weights - overheads_at(size).total
         blocks = (layout_for(kvb, mla=spec.is_mla, block_size=block_size).num_blocks(pool) if spec.is_hybrid
-                  else kvb.num_blocks(pool, block_size or DEFAULT_BLOCK_SIZE))
+                  else kvb.num_blocks(pool, block_size or CUDA_BLOCK_SIZE))
         if blocks > 0:
             return size
     return None

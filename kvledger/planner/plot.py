@@ -13,7 +13,7 @@ from kvledger.units import GiB
 
 if TYPE_CHECKING:
     from kvledger.planner.memory_wall import MemoryWall
-    from kvledger.planner.workload import Replay
+    from kvledger.planner.trace_sizing import Replay
     from kvledger.workload.traces import Trace
     from kvledger.spec import ModelSpec
 

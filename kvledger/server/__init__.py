@@ -1,7 +1,7 @@
 """The server: OpenAI-compatible HTTP API, Prometheus metrics and a live KV-ledger dashboard.
 
-``kvledger serve`` runs it (its client, ``kvledger bench serve``, lives in ``kvledger.bench``).
+``kvledger serve`` runs it (its client, ``kvledger bench serve``, lives in ``kvledger.loadgen``).
 Modules: ``protocol`` (request and
 response bodies), ``errors`` (OpenAI error objects), ``async_engine`` (the one engine loop),
-``metrics`` (Prometheus), ``app`` (routes), ``launcher`` (uvicorn), ``static/`` (dashboard).
+``prometheus`` (the /metrics endpoint), ``app`` (routes), ``launcher`` (uvicorn), ``static/`` (dashboard).
 """

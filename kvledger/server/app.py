@@ -37,7 +37,7 @@ from starlette.requests import ClientDisconnect
 from kvledger.errors import KVLedgerError
 from kvledger.server.async_engine import AsyncEngine, QueueFullError, RequestFailedError, RequestStream
 from kvledger.server.errors import APIError, error_body, error_response
-from kvledger.server.metrics import ServerMetrics
+from kvledger.server.prometheus import ServerMetrics
 from kvledger.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     DEFAULT_COMPLETION_MAX_TOKENS, ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse,

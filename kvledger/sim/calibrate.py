@@ -19,12 +19,17 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, Callable
 
 import numpy as np
 
 from kvledger.engine.outputs import StepRecord
-from kvledger.sim.step_model import CPU_TERMS, TERMS, ModelGeometry, batch_terms, fit_coefficients
+from kvledger.engine.step_log import read_step_log
+from kvledger.errors import KVLedgerError
+from kvledger.sim.step_model import (CPU_TERMS, TERMS, ModelFingerprint, ModelGeometry, Profile, batch_terms,
+                                     fit_coefficients)
+from kvledger.spec import ModelSpec
 
 GPU_FIT_TERMS = ("step", "prefill_tokens", "prefill_attention", "decode_tokens", "kv_read_bytes", "requests")
 """Model-run terms a single-device dense fit can tell apart (weight bytes are constant per step
@@ -204,3 +209,24 @@ def fit_step_log(records: list[StepRecord], geometry: ModelGeometry, gpu_terms=G
                    "measured_ms": total * 1e3, "predicted_ms": predicted * 1e3,
                    "error_pct": (predicted - total) / total * 100})
     return coef, report
+
+
+def profile_from_step_log(path: str) -> tuple[Profile, list[dict[str, Any]]]:
+    """(Profile, report): a step profile fitted from the records of a step log (``kvledger serve
+    --step-log``), for the model and engine its header names; the report is :func:`fit_step_log`'s."""
+    header, records = read_step_log(path)
+    try:
+        spec = ModelSpec.from_config_dict({**header["hf_config"], "torch_dtype": header["dtype"]},
+                                          name=header["model"])
+        kv_dtype, block_size, num_blocks = header["kv_cache_dtype"], int(header["block_size"]), int(header["num_blocks"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise KVLedgerError(f"{path}: the step log's header lacks the model or the pool ({err})") from None
+    if len(records) < 8:
+        raise KVLedgerError(f"{path} holds {len(records)} steps; a fit needs a serving run of at least 8")
+    coefficients, report = fit_step_log(records, ModelGeometry.of(spec, kv_dtype))
+    profile = Profile(device=str(header.get("device", "unknown")), model=spec.name,
+                      fingerprint=ModelFingerprint.of(spec), dtype=header["dtype"], kv_cache_dtype=kv_dtype,
+                      tensor_parallel_size=1, block_size=block_size, num_blocks=num_blocks,
+                      coefficients=coefficients, fit=report,
+                      created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    return profile, report

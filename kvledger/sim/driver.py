@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from kvledger.kvcache.block_pool import BlockPool
-from kvledger.engine.config import EngineConfig
+from kvledger.config import EngineConfig
 from kvledger.kvcache.manager import KVCacheManager
 from kvledger.engine.outputs import StepRecord
 from kvledger.engine.scheduler import Scheduler, SchedulerOutput

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvledger.engine.config import EngineConfig
+from kvledger.config import EngineConfig
 from kvledger.errors import KVLedgerError
 from kvledger.metrics.serving import SLO, RequestResult, ServingMetrics, calculate_metrics, evaluate_slo
 from kvledger.sim.driver import Replica, run

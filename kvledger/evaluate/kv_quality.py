@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvledger.config import CUDA_BLOCK_SIZE, ENGINE_DTYPE
 from kvledger.errors import KVLedgerError
 from kvledger.layers.attention import AttentionMetadata, PrefillChunk
 from kvledger.kvcache.storage import KVCache
@@ -44,14 +45,15 @@ class QualityConfig:
     text: str | None = None
     """A UTF-8 text file; ``None`` for the Python language reference."""
     kv_cache_dtypes: tuple[str, ...] = DEFAULT_KINDS
-    dtype: str = "float32"
+    dtype: str = ENGINE_DTYPE
     max_tokens: int = 6400
     """Tokens of the text to read (positions scored = max_tokens - 1)."""
     num_buckets: int = 8
     chunk_tokens: int = 1024
     greedy_prompt_tokens: int = 512
     greedy_new_tokens: int = 128
-    block_size: int = 16
+    block_size: int = CUDA_BLOCK_SIZE
+    """The engine's block on CUDA, on every device: the cache layout the quality is measured in."""
 
 
 @dataclass
@@ -128,7 +130,7 @@ class _Scorer:
     """The engine's model over one cache per KV dtype, for a single sequence."""
 
     def __init__(self, cfg: QualityConfig, max_len: int) -> None:
-        from kvledger.engine.config import EngineConfig
+        from kvledger.config import EngineConfig
         from kvledger.engine.llm_engine import LLMEngine
 
         blocks = -(-max_len // cfg.block_size)

@@ -1,1 +1,0 @@
-"""Clients that measure a running server (``kvledger bench serve``); they do not live in ``server/``."""
