@@ -91,9 +91,10 @@ class ModelRunner:
             raise KVLedgerError(f"--kv-cache-dtype {self.kv_cache_dtype} keeps one scale per layer, but "
                                 f"{self.model_name}'s KV groups share cache layers; use int8 (per-token scales) "
                                 "or a 16/32-bit cache")
-        self.ranks = RankGroup(tp, self.device.type, run_rank, (dataclasses.replace(config, model=str(self.model_dir)),)) \
-            if rank == 0 and tp > 1 else None
-        """Ranks 1..N-1 (rank 0 at tensor parallelism), started before this rank loads its shard."""
+        self.ranks: RankGroup | None = None
+        """Ranks 1..N-1, held by rank 0 at tensor parallelism (None otherwise)."""
+        if rank == 0 and tp > 1:  # the other ranks load their shards while this one loads its own
+            self.ranks = RankGroup(tp, self.device.type, run_rank, (dataclasses.replace(config, model=str(self.model_dir)),))
         try:
             self.model = self._load_model(family.model_class)
             self.num_blocks, self.max_model_len = self._size_pool()

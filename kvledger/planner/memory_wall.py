@@ -95,7 +95,7 @@ WARMUP_MARGIN_FACTOR = 2
 
 TOKEN_SPREAD = 0.03
 """How far the estimated KV tokens may be from vLLM's: the validation table holds every started
-run within it (its worst is 1.84%, see BENCHMARKS.md). A pool that holds the request by less
+run within it (its worst is 1.66%, see BENCHMARKS.md). A pool that holds the request by less
 than this share of itself is "tight"."""
 
 CONTEXTS = (2048, 8192, 32768, 131072)
