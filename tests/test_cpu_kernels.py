@@ -38,8 +38,15 @@ def test_the_build_directory_is_keyed_by_the_sources_and_flags(built):
     assert (here / f"{cpu_kernels.NAME}_{cpu_kernels.current()}.so").is_file()
 
 
+def _as_if_not_yet_built() -> None:
+    """Take back the mark a finished build leaves, so the next load goes through the build step
+    (its lock and the build tool) as it does before the first build completes."""
+    (cpu_kernels.build_directory() / cpu_kernels.BUILT_MARKER).unlink(missing_ok=True)
+
+
 def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load(built):
     directory = cpu_kernels.build_directory()
+    _as_if_not_yet_built()
     with cpu_kernels.build_lock(directory, wait_s=120):  # as a killed builder leaves it: torch's lock file
         (directory / "lock").write_text("")
     assert (directory / "lock").exists()
@@ -48,6 +55,7 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load(built):
 
 
 def test_a_build_held_too_long_by_another_process_gives_up_in_one_line(built):
+    _as_if_not_yet_built()
     with cpu_kernels.build_lock(cpu_kernels.build_directory(), wait_s=120):
         said = _load_in_a_new_process(**{cpu_kernels.WAIT_ENV: "1"})
     assert said.startswith("not loaded: another process has been building the CPU kernels in")
@@ -90,3 +98,18 @@ def test_no_vector_capability_falls_back_and_says_so_once():
     assert proc.stdout.split() == ["not", "loaded:", f"{cpu_kernels.CAPABILITY_ENV}=default", "False"]
     warnings = [line for line in proc.stderr.splitlines() if "kernels" in line]
     assert len(warnings) == 1 and "torch's own kernels run instead" in warnings[0], proc.stderr
+
+
+def test_built_kernels_load_without_running_the_build_tool(built, tmp_path):
+    """Once built, a process loads the library as it is: another ``ninja`` first on ``PATH`` (an
+    activated venv against none) is never run, so it cannot find the build out of date."""
+    calls = tmp_path / "calls"
+    ninja = tmp_path / "ninja"
+    ninja.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nexit 1\n")
+    ninja.chmod(0o755)
+    proc = subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "loaded"
+    assert not calls.exists(), f"the build tool ran: {calls.read_text()}"
+    assert "building" not in proc.stderr

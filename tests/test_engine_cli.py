@@ -63,3 +63,17 @@ def test_engine_flags_become_the_engine_config():
     config = engine_config_from_args(args)
     assert config == EngineConfig(block_size=32, enable_prefix_caching=False, kv_cache_memory=64 * 2**20,
                                   max_model_len=512, kv_cache_dtype="int8")
+
+
+def test_a_pool_the_user_sized_is_refused_before_the_weights_load(tmp_path):
+    """``--num-gpu-blocks-override`` beyond the machine's memory is refused before any weight is
+    read: the checkpoint here has SmolLM2's config and an unreadable weights file, so only a check
+    made before loading can give the pool's message."""
+    import shutil
+
+    from kvledger.loader.resolve import converted_dir, resolve_model
+
+    shutil.copy(converted_dir(resolve_model(None)) / "config.json", tmp_path / "config.json")
+    (tmp_path / "model.safetensors").write_bytes(b"not a checkpoint")
+    result = kvledger("generate", "hi", "--model", str(tmp_path), "--num-gpu-blocks-override", "100000000000")
+    assert_one_line_error(result, "100,000,000,000 blocks", "lower --num-gpu-blocks-override")

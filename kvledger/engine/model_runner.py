@@ -91,6 +91,8 @@ class ModelRunner:
             raise KVLedgerError(f"--kv-cache-dtype {self.kv_cache_dtype} keeps one scale per layer, but "
                                 f"{self.model_name}'s KV groups share cache layers; use int8 (per-token scales) "
                                 "or a 16/32-bit cache")
+        if rank == 0 and (config.num_gpu_blocks_override is not None or config.kv_cache_memory is not None):
+            self._plan_pool()  # a pool the user sized is checked before the weights load (and again after)
         self.ranks: RankGroup | None = None
         """Ranks 1..N-1, held by rank 0 at tensor parallelism (None otherwise)."""
         if rank == 0 and tp > 1:  # the other ranks load their shards while this one loads its own
@@ -134,7 +136,7 @@ class ModelRunner:
 
     def _size_pool(self) -> tuple[int, int]:
         """(blocks, max_model_len): rank 0 sizes the pool from the config and the device's memory
-        and checks it, then every rank takes the smallest count any rank can hold."""
+        (the weights in it) and checks it, then every rank takes the smallest count any rank can hold."""
         if self.rank == 0:
             num_blocks, max_model_len = self._plan_pool()
         if self.config.tensor_parallel_size == 1:

@@ -25,9 +25,13 @@ switches it, and the tests run every kernel under every capability the machine h
 (``torch.ops.kvledger_cpu_avx2``, ``torch.ops.kvledger_cpu_avx512``; :func:`ops` is the current
 one), so both load side by side. A CPU without AVX2 builds nothing and runs torch's operators.
 
-A build lives in a directory of torch's extension root keyed by a hash of the sources, the flags
-and the torch and Python versions (:func:`build_directory`), so two checkouts with the same sources
-share one build and different sources never rebuild over each other. Builders take an advisory
+``make`` builds them at install (``python -m kvledger.kernels.cpu_kernels``); otherwise the first
+use builds them and says so on stderr. A build lives in a directory of torch's extension root keyed
+by a hash of the sources, the flags and the torch and Python versions (:func:`build_directory`), so
+two checkouts with the same sources share one build and different sources never rebuild over each
+other (the build compiles copies of the sources kept in that directory, so its build file is the
+same from every checkout); once built, a process loads the library directly, without running the
+build tool (whichever ``ninja`` ``PATH`` finds), and a build pins the one beside the running Python. Builders take an advisory
 lock on that directory (``flock``, which the system releases when a process dies), so a build
 killed halfway never leaves behind a lock that makes every later load wait forever (torch's own
 lock file is cleared while the lock is held). A process that waits longer than
@@ -162,19 +166,70 @@ def build_lock(directory: Path, wait_s: float) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _build(build: Build) -> None:
-    from torch.utils import cpp_extension
+BUILT_MARKER = "kvledger.built"
+"""Written into a build directory once its library is built; a later process loads that library
+directly, without running the build tool again (a different ``ninja`` on ``PATH``, as with and
+without an activated venv, would otherwise see the other's log as out of date and rebuild all)."""
 
+
+def _build(build: Build) -> None:
+    """Load ``build``'s library: the one already built for these sources and flags, else build it
+    first (announced on stderr: a minute or so, once per machine)."""
     flags, width = _flags(build.capability)
     directory = build_directory(flags)
-    wait_s = float(os.environ.get(WAIT_ENV, DEFAULT_WAIT_S))
+    name = f"{NAME}_{build.capability}"
     started = time.perf_counter()
-    with build_lock(directory, wait_s):
-        cpp_extension.load(name=f"{NAME}_{build.capability}", sources=[str(s) for s in SOURCES], extra_cflags=flags,
-                           build_directory=str(directory), is_python_module=False, verbose=False)
+    if not _load_built(directory, name):
+        wait_s = float(os.environ.get(WAIT_ENV, DEFAULT_WAIT_S))
+        with build_lock(directory, wait_s):
+            if not _load_built(directory, name):  # another process may have built it while we waited
+                print(f"kvledger: building the CPU kernels for {build.capability.upper()} once (about a minute on "
+                      f"two cores; later starts load them)", file=sys.stderr, flush=True)
+                _compile(name, flags, directory)
+                (directory / BUILT_MARKER).write_text(f"{name}.so\n")
     log.info("kvledger CPU kernels (%s) ready in %.1f s", build.capability, time.perf_counter() - started)
     build.width = width
     build.ops = getattr(torch.ops, namespace(build.capability))
+
+
+def _load_built(directory: Path, name: str) -> bool:
+    """Load the library a finished build left in ``directory``; False when there is none."""
+    library = directory / f"{name}.so"
+    if not ((directory / BUILT_MARKER).is_file() and library.is_file()):
+        return False
+    torch.ops.load_library(str(library))
+    return True
+
+
+def _copy_sources(destination: Path) -> list[Path]:
+    """The sources and headers copied into the build directory (once: the directory is keyed by
+    their content), so that its build file names the same paths whichever checkout builds it;
+    the copies of :data:`SOURCES`, in order."""
+    destination.mkdir(parents=True, exist_ok=True)
+    for source in SOURCES + sorted(CSRC.glob("*.h")):
+        copy = destination / source.name
+        if not copy.is_file():
+            tmp = copy.with_suffix(copy.suffix + ".tmp")
+            tmp.write_bytes(source.read_bytes())
+            tmp.replace(copy)
+    return [destination / source.name for source in SOURCES]
+
+
+def _compile(name: str, flags: list[str], directory: Path) -> None:
+    """Compile and load the sources with torch's extension builder, the build tool pinned to the one
+    beside this Python (the venv's ``ninja``) when there is one, whatever ``PATH`` says."""
+    from torch.utils import cpp_extension
+
+    sources = _copy_sources(directory / "src")
+    saved = os.environ.get("PATH", "")
+    here = str(Path(sys.executable).parent)
+    if (Path(here) / "ninja").exists():
+        os.environ["PATH"] = here + os.pathsep + saved
+    try:
+        cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=flags,
+                           build_directory=str(directory), is_python_module=False, verbose=False)
+    finally:
+        os.environ["PATH"] = saved
 
 
 def _load(capability: str) -> Build:
@@ -287,3 +342,16 @@ def runs_eagerly_on(x: torch.Tensor) -> bool:
     kernels loaded. Each wrapper adds the shape conditions of its own kernel."""
     return (x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and not torch.compiler.is_compiling()
             and loaded())
+
+
+def main() -> None:
+    """``python -m kvledger.kernels.cpu_kernels``: build (or load) the kernels of every capability this
+    CPU has, ahead of the first use; ``make`` runs it."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for capability in machine_capabilities():
+        with use(capability) as build:
+            print(f"kvledger CPU kernels ({capability}): {'ready' if build.loaded else build.reason}")
+
+
+if __name__ == "__main__":
+    main()
