@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvledger.errors import ConfigError
+from kvledger.errors import ConfigError, parse_json
 from kvledger.spec.state import (ATTENTION_KINDS, LINEAR, MAMBA, MAMBA1, MAMBA2, STATE_KINDS, StateSpec, layer_kinds,
                                  parallel_state_layers, state_spec)
 
@@ -292,7 +292,9 @@ class ModelSpec:
         index = config_file.parent / "model.safetensors.index.json"
         published = None
         if index.exists():
-            total = _read_json(index).get("metadata", {}).get("total_size")
+            meta = _read_json(index)
+            meta = meta.get("metadata") if isinstance(meta, dict) else None
+            total = meta.get("total_size") if isinstance(meta, dict) else None
             published = int(total) if total else None
         return cls.from_config_dict(config, name=name or config_file.parent.name, source=str(config_file),
                                     weights_bytes_published=published)
@@ -334,7 +336,7 @@ def _count(cfg: dict[str, Any], keys: tuple[str, ...], where: str) -> int:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        return parse_json(path.read_text())
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path} is not valid JSON (line {err.lineno}: {err.msg}); give a Hugging Face config.json") from None
     except UnicodeDecodeError:
