@@ -43,3 +43,8 @@ def shorten(text: str, limit: int = 120) -> str:
         return text
     half = (limit - 30) // 2
     return f"{text[:half]}...({len(text):,} characters)...{text[-half:]}"
+
+
+class InputWarning(UserWarning):
+    """Input taken, with a doubt the user should see: the CLI prints ``str(warning)`` as one
+    ``warning:`` line on stderr (a typo'd ``model_type``, say); the library leaves it to Python."""
