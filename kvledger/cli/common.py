@@ -8,6 +8,7 @@ import math
 import sys
 from typing import Any, Callable
 
+from kvledger.engine.sampling_params import INT64_MAX, INT64_MIN
 from kvledger.units import parse_rate, parse_size
 from kvledger.errors import KVLedgerError
 
@@ -36,6 +37,20 @@ positive_float = _number(float, "a number", lambda v: 0 < v < math.inf, "a posit
 non_negative_float = _number(float, "a number", lambda v: 0 <= v < math.inf, "a finite number, zero or more",
                              "non_negative_float")
 fraction = _number(float, "a number", lambda v: 0 < v <= 1, "in (0, 1]", "fraction")
+MAX_LENGTH_SCALE = 1000.0
+"""The largest --length-scale: a thousand times a trace's lengths is beyond any model's context."""
+length_scale = _number(float, "a number", lambda v: 0 < v <= MAX_LENGTH_SCALE,
+                       f"a positive number of at most {MAX_LENGTH_SCALE:g}", "length_scale")
+TIME_SCALE_RANGE = (1e-6, 1e6)
+"""--time-scale's bounds: a trace sped up or slowed down a million times is no longer its arrival pattern,
+and beyond that its times leave the range a report prints (or a float holds)."""
+time_scale = _number(float, "a number", lambda v: TIME_SCALE_RANGE[0] <= v <= TIME_SCALE_RANGE[1],
+                     f"from {TIME_SCALE_RANGE[0]:g} to {TIME_SCALE_RANGE[1]:g}", "time_scale")
+seed = _number(int, "an integer", lambda v: 0 <= v <= INT64_MAX, "an integer from 0 to 2^63 - 1", "seed")
+"""A seed of numpy's draws (rows, arrivals, token ids), which refuse a negative one."""
+signed_seed = _number(int, "an integer", lambda v: INT64_MIN <= v <= INT64_MAX, "an integer from -2^63 to 2^63 - 1",
+                      "signed_seed")
+"""A seed of torch's generators (``generate``, ``verify``): any 64-bit signed integer, as the engine takes."""
 
 
 def _wrap(parse):  # argparse wants ArgumentTypeError for a clean one-line message
@@ -68,14 +83,23 @@ def simulated_request_rate(text: str) -> float | str:
     return _finite_rate(text, "or 'trace'")
 
 
+MIN_REQUEST_RATE = 1e-6
+"""The lowest --request-rate, in requests/s: one request every 11.6 days. Below it a replay's
+duration runs to hundreds of digits (1e-300 requests/s) and measures nothing a server does."""
+
+
 def _finite_rate(text: str, others: str) -> float:
-    """A positive finite number of requests/s from ``text``; ``others`` names the words also accepted."""
+    """A finite number of requests/s of at least ``MIN_REQUEST_RATE`` from ``text``; ``others``
+    names the words also accepted."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of requests/s, {others}") from None
     if not (0 < value < math.inf):
         raise argparse.ArgumentTypeError(f"must be a positive finite number of requests/s, {others}, got {text}")
+    if value < MIN_REQUEST_RATE:
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_REQUEST_RATE:g} requests/s (one request every "
+                                         f"{1 / MIN_REQUEST_RATE / 86400:.1f} days), {others}, got {text}")
     return value
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 import warnings
 from typing import Callable, NoReturn, Sequence
@@ -36,7 +37,17 @@ SUBCOMMANDS = [
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line: what was wrong and where to look."""
+    """An ArgumentParser whose errors are one line: what was wrong and where to look.
+
+    A value that looks like a negative number, with or without a unit (``-80GiB``, ``-1e5``), is
+    a value, not an unknown flag, so that its option's own check says what is wrong with it."""
+
+    NEGATIVE_VALUE = re.compile(r"^-\d[\d_.]*(?:[eE][+-]?\d+)?\s*[A-Za-z/]*$")
+    """``-80GiB``, ``-1.5TB/s``, ``-1e5``: no option of kvledger starts with ``-`` and a digit."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = self.NEGATIVE_VALUE
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")

@@ -80,6 +80,9 @@ def arrival_times(n: int, request_rate: float | str, *, seed: int, burstiness: f
     rng = np.random.default_rng(seed)
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
     times = np.cumsum(gaps)
+    if not times[-1] > 0:  # a gamma shape so small that every gap underflows to zero
+        raise KVLedgerError(f"--burstiness {burstiness:g} is so small that every gap between arrivals is zero; "
+                            "give 0.01 or more (1 is Poisson)")
     times *= (n / rate) / times[-1]
     return times.tolist()
 
