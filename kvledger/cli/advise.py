@@ -41,10 +41,11 @@ def run(args: argparse.Namespace) -> int:
         print(list_catalog())
         return 0
     if args.workload:
+        from kvledger.workload.sampling import mean_prompt_tokens
         from kvledger.workload.traces import read_trace
 
         trace = read_trace(args.workload)
-        args.prompt_tokens = max(1, round(float(trace.prompt.mean())))
+        args.prompt_tokens = mean_prompt_tokens(trace.prompt)
         args.output_tokens = max(0, round(float(trace.output.mean())))
     if args.prompt_tokens is None or args.output_tokens is None:
         raise KVLedgerError("give --prompt-tokens and --output-tokens, or a --workload to take them from")

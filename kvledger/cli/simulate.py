@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from kvledger.cli.common import print_json
     from kvledger.sim.setup import max_request_len
     from kvledger.sim.simulate import build_requests, find_replicas, simulate, summary
-    from kvledger.workload.sampling import sample_requests
+    from kvledger.workload.sampling import check_shared_prefix, mean_prompt_tokens, sample_requests
     from kvledger.workload.traces import read_trace
 
     plt = None
@@ -100,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     sampled, times = sample_requests(trace, args.num_prompts, seed=args.seed, sample=args.sample,
                                      length_scale=args.length_scale, request_rate=args.request_rate,
                                      burstiness=args.burstiness, time_scale=args.time_scale, max_model_len=max_len)
+    check_shared_prefix(args.shared_prefix_tokens, mean_prompt_tokens([r.input_len for r in sampled]),
+                        f"the mean prompt of the requests drawn from {trace.name}")
 
     def make():
         return build_requests(sampled, times, args.length_scale, args.shared_prefix_tokens)

@@ -42,6 +42,7 @@ from kvledger.planner.gpus import GPU
 from kvledger.planner.memory_wall import MemoryWall, plan_memory, sequence_blocks, users_at, verdict
 from kvledger.spec import ModelSpec
 from kvledger.spec.dtypes import QUANTIZED_KV_DTYPES
+from kvledger.workload.sampling import check_shared_prefix
 
 CAPACITY_BINDS_AT = 0.9
 """Share of the pool today's users must fill for capacity, not concurrency, to bind
@@ -113,8 +114,7 @@ def advise(spec: ModelSpec, gpu: GPU, config: PlannerConfig | None = None, *, pr
             raise KVLedgerError(f"{flag} must be a positive integer, got {value}")
     if output_tokens < 0 or shared_prefix_tokens < 0:
         raise KVLedgerError("--output-tokens and --shared-prefix-tokens must not be negative")
-    if shared_prefix_tokens > prompt_tokens:
-        raise KVLedgerError(f"--shared-prefix-tokens ({shared_prefix_tokens}) exceeds --prompt-tokens ({prompt_tokens})")
+    check_shared_prefix(shared_prefix_tokens, prompt_tokens, "--prompt-tokens")
     config = replace(config or PlannerConfig(), **settings)
     wall = plan_memory(spec, gpu, config)
     per_user = prompt_tokens + output_tokens

@@ -144,9 +144,11 @@ def workload_report(path: str, spec: ModelSpec, gpu: GPU, wall: MemoryWall, band
     and the prefix savings. The replay reads each live token at its cost in a sequence of the
     trace's mean live length (exact for full-attention models; see ``bandwidth``)."""
     from kvledger.planner import trace_sizing as wl
+    from kvledger.workload.sampling import check_shared_prefix, mean_prompt_tokens
     from kvledger.workload.traces import read_trace
 
     trace = read_trace(path)
+    check_shared_prefix(shared_prefix_tokens, mean_prompt_tokens(trace.prompt), f"the mean prompt of {trace.name}")
     context = max(1, round(wl.mean_live_tokens(trace)))
     token_bytes = bw.live_token_bytes(spec, wall.kv_cache_dtype, context, wall.tensor_parallel_size)
     rep = wl.replay(trace, lambda live: bw.step_time(bw.weight_bytes_read_per_step(wall, max(1, round(live / context))),
