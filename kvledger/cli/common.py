@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from kvledger.engine.sampling_params import INT64_MAX, INT64_MIN
 from kvledger.units import parse_rate, parse_size
-from kvledger.errors import KVLedgerError
+from kvledger.errors import KVLedgerError, shorten
 
 
 def _number(kind: type, noun: str, ok: Callable[[Any], bool], requirement: str, name: str):
@@ -105,6 +107,22 @@ def _finite_rate(text: str, others: str) -> float:
 
 size = _wrap(parse_size)
 rate = _wrap(parse_rate)
+
+
+def check_writable(path: str, flag: str) -> None:
+    """Refuse, before a long run, an output ``path`` that cannot be written: its directory missing,
+    the path a directory, or no permission. Nothing is created (a refused run leaves no file)."""
+    out = Path(path)
+    try:
+        if out.is_dir():
+            raise KVLedgerError(f"{flag} {path} is a directory; give a file name")
+        directory = out.parent
+        if not directory.is_dir():
+            raise KVLedgerError(f"{flag} {path}: no directory {directory}; create it first or give another path")
+        if not os.access(directory, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+            raise KVLedgerError(f"{flag} {path} cannot be written (permission denied); give a path you can write")
+    except OSError as err:  # a name longer than the file system takes, say
+        raise KVLedgerError(f"{flag} {shorten(path)}: {err.strerror or err}; give another path") from None
 
 
 def print_json(obj: Any) -> None:
