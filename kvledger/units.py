@@ -25,7 +25,7 @@ _UNITS = {
     "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
     "ti": 1024**4, "tib": 1024**4, "pi": 1024**5, "pib": 1024**5,
 }
-_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_NUMBER = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
 def _quantity(text: str | int | float, what: str, kind: str, suffix: str = "") -> float:
@@ -59,7 +59,7 @@ def parse_size(text: str | int | float, what: str = "size") -> int:
     """Bytes from ``123``, ``58.11GiB``, ``80GB`` or ``1.5e9``; rounds down to a whole byte; at most ``MAX_SIZE``."""
     result = int(_quantity(text, what, "size"))
     if result <= 0:
-        raise KVLedgerError(f"{what} must be positive, got {text!r}")
+        raise KVLedgerError(f"{what} must be positive, got {text!r}; give bytes or a size such as 80GiB")
     if result > MAX_SIZE:
         raise KVLedgerError(f"{what} {text!r} is more than any device has (at most 1PiB)")
     return result
@@ -69,7 +69,7 @@ def parse_rate(text: str | int | float, what: str = "rate") -> float:
     """Bytes per second from ``1.5TB/s``, ``2039GB/s`` or a plain number of bytes per second."""
     value = _quantity(text, what, "rate", suffix="/s")
     if value <= 0:
-        raise KVLedgerError(f"{what} must be positive, got {text!r}")
+        raise KVLedgerError(f"{what} must be positive, got {text!r}; give bytes per second or a rate such as 1.5TB/s")
     return value
 
 

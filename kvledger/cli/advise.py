@@ -41,10 +41,11 @@ def run(args: argparse.Namespace) -> int:
         print(list_catalog())
         return 0
     if args.workload:
+        from kvledger.workload.sampling import mean_prompt_tokens
         from kvledger.workload.traces import read_trace
 
         trace = read_trace(args.workload)
-        args.prompt_tokens = max(1, round(float(trace.prompt.mean())))
+        args.prompt_tokens = mean_prompt_tokens(trace.prompt)
         args.output_tokens = max(0, round(float(trace.output.mean())))
     if args.prompt_tokens is None or args.output_tokens is None:
         raise KVLedgerError("give --prompt-tokens and --output-tokens, or a --workload to take them from")
@@ -61,16 +62,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"{spec.name} on {gpu.name}: {result.kv_tokens:,} KV tokens; a user holds {result.tokens_per_user:,} "
           f"({args.prompt_tokens:,} prompt + {args.output_tokens:,} output)")
-    print(f"today {result.users} users hold {result.live_tokens_now:,} tokens = {result.pool_share_now:.0%} of the pool, "
-          f"which holds {result.capacity_users} such users; target {result.target_users}")
+    print(f"today {result.users:,} users hold {result.live_tokens_now:,} tokens = {result.pool_share_now:,.0%} of the "
+          f"pool, which holds {result.capacity_users:,} such users; target {result.target_users:,}")
     verdict = ("capacity binds: the pool is full, free memory or shrink tokens" if result.binding == "capacity" else
                "concurrency, not capacity, binds: the pool has room; admission control is the limit, and levers "
                "that only grow the pool add users once it is lifted")
     print(verdict)
     print()
     if result.target_met:
-        print(f"the target is met: {min(result.users, result.capacity_users)} users served, {result.target_users} wanted")
-    rows = [(i, lv.name, lv.flag, lv.users_after, f"{lv.gain:+d}", lv.users_after_with_admission, lv.cost, lv.detail)
+        print(f"the target is met: {min(result.users, result.capacity_users):,} users served, "
+              f"{result.target_users:,} wanted")
+    rows = [(i, lv.name, lv.flag, f"{lv.users_after:,}", f"{lv.gain:+,d}", f"{lv.users_after_with_admission:,}", lv.cost,
+             lv.detail)
             for i, lv in enumerate(result.levers, start=1)]
     print(tabulate(rows, headers=["#", "lever", "flag", "users after", "gain", "with admission", "cost", "why"],
                    colalign=("right", "left", "left", "right", "right", "right", "left", "left"),

@@ -6,18 +6,7 @@ import argparse
 import shlex
 from datetime import datetime, timezone
 
-from kvledger.cli.common import positive_float, positive_int, request_rate
-
-
-MAX_LENGTH_SCALE = 1000.0
-"""The largest --length-scale: a thousand times a trace's lengths is beyond any model's context."""
-
-
-def length_scale(text: str) -> float:
-    value = positive_float(text)
-    if value > MAX_LENGTH_SCALE:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_LENGTH_SCALE:g}, got {value:g}")
-    return value
+from kvledger.cli.common import length_scale, positive_float, positive_int, request_rate, seed, time_scale
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -47,11 +36,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default inf)")
     s.add_argument("--burstiness", type=positive_float, default=1.0,
                    help="gamma shape of arrival gaps: 1 = Poisson, <1 burstier (default 1)")
-    s.add_argument("--time-scale", type=positive_float, default=1.0,
+    s.add_argument("--time-scale", type=time_scale, default=1.0,
                    help="with --request-rate trace: divide the trace's times by this (default 1)")
     s.add_argument("--max-concurrency", type=positive_int, default=None, help="cap on requests in flight")
-    s.add_argument("--seed", type=int, default=0, help="seed for row sampling, token ids and arrivals (default 0)")
-    s.add_argument("--id-seed", type=int, default=None,
+    s.add_argument("--seed", type=seed, default=0, help="seed for row sampling, token ids and arrivals (default 0)")
+    s.add_argument("--id-seed", type=seed, default=None,
                    help="seed for the prompts' token ids alone (default: --seed); another value sends the same "
                         "requests with fresh ids, which a server's prefix cache has not seen")
     s.add_argument("--vocab-size", type=positive_int, default=32000,

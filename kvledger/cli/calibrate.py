@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvledger.cli.common import positive_int
+from kvledger.cli.common import check_writable, positive_int
 from kvledger.cli.flags import add_block_size, add_engine_dtype, add_max_num_batched_tokens
-from kvledger.config import CUDA_BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS
+from kvledger.config import CUDA_BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS, VLLM_BLOCK_SIZES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,7 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="profile.json", metavar="FILE", help="profile to write (default profile.json)")
     p.add_argument("--quick", action="store_true", help="a small grid, one repetition: seconds, a rougher fit")
     p.add_argument("--reps", type=positive_int, default=None, help="repetitions per shape (default 3, quick 1)")
-    add_block_size(p, help=f"tokens per KV block (default {CUDA_BLOCK_SIZE})")
+    add_block_size(p, vllm_sizes=True,
+                   help=f"tokens per KV block: {', '.join(map(str, VLLM_BLOCK_SIZES))} (default {CUDA_BLOCK_SIZE})")
     add_max_num_batched_tokens(p, help=f"the engine's token budget per step (default {MAX_NUM_BATCHED_TOKENS}, the "
                                        "engine's)")
     p.add_argument("--kv-cache-memory", default="1GiB", metavar="BYTES",
@@ -55,6 +56,7 @@ def device_name(engine) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_writable(args.out, "--out")  # before the measurement, which takes minutes
     if args.step_log:  # no engine, no torch: the fit alone
         from kvledger.sim.calibrate import profile_from_step_log
 

@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from kvledger.cli.common import positive_int
+    from kvledger.cli.common import positive_int, signed_seed
     from kvledger.cli.engine_args import add_engine_args
 
     p = subparsers.add_parser(
@@ -21,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, metavar="F", help="0 = greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="F", help="nucleus sampling mass (default 1, off)")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K likeliest (default 0, off)")
-    p.add_argument("--seed", type=int, default=None, metavar="N", help="sampling seed")
+    p.add_argument("--seed", type=signed_seed, default=None, metavar="N", help="sampling seed")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--chat", action="store_true", help="wrap PROMPT as a user message with the model's chat template")

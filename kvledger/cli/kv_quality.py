@@ -6,6 +6,7 @@ import argparse
 
 from kvledger.cli.common import positive_int, print_json
 from kvledger.cli.flags import add_engine_dtype
+from kvledger.config import CUDA_BLOCK_SIZE
 from kvledger.spec.dtypes import ENGINE_QUANTIZED_KV_DTYPES, KV_QUALITY_DEFAULT_KINDS
 
 
@@ -33,6 +34,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def check_context(model: str | None, max_tokens: int, greedy_tokens: int) -> None:
+    """Refuse, before torch or the model loads, ``--max-tokens`` read plus ``--greedy-tokens``
+    generated (in whole blocks of ``CUDA_BLOCK_SIZE`` tokens: the cache the scorer sizes) that run
+    past the model's context (``max_position_embeddings``, in tokens), read from its config alone."""
+    from kvledger.errors import KVLedgerError
+    from kvledger.loader.gguf import config_from_gguf
+    from kvledger.loader.resolve import resolve_model
+    from kvledger.loader.safetensors import read_config
+
+    checkpoint = resolve_model(model)
+    config = config_from_gguf(checkpoint.gguf_file) if checkpoint.gguf_file else read_config(checkpoint.path)
+    max_pos = int(config.get("max_position_embeddings") or 0)
+    need = -(-(max_tokens + greedy_tokens) // CUDA_BLOCK_SIZE) * CUDA_BLOCK_SIZE
+    if max_pos and need > max_pos:
+        most = max(0, max_pos // CUDA_BLOCK_SIZE * CUDA_BLOCK_SIZE - greedy_tokens)
+        raise KVLedgerError(f"--max-tokens {max_tokens:,} and --greedy-tokens {greedy_tokens:,} need {need:,} "
+                            f"positions, more than {checkpoint.name}'s context (max_position_embeddings = "
+                            f"{max_pos:,}); lower --max-tokens to {most:,} or less")
+
+
 def run(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
@@ -40,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.plot:
         pyplot(args.plot)  # a wrong name or a missing matplotlib fails now, not after the run
+    check_context(args.model, args.max_tokens, args.greedy_tokens)
     from kvledger.evaluate.kv_quality import QualityConfig, run_kv_quality, to_json
 
     kinds = tuple(dict.fromkeys(args.kinds or KV_QUALITY_DEFAULT_KINDS))

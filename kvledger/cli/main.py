@@ -6,17 +6,20 @@ parsed ``argparse.Namespace`` and returning an exit code. Modules import heavy l
 (torch, transformers) inside that function, never at import time, so the planner's
 commands start fast and never load torch.
 
-User errors (:class:`kvledger.errors.KVLedgerError`) become one line on stderr and exit 2.
+User errors (:class:`kvledger.errors.KVLedgerError`) become one line on stderr and exit 2;
+doubts about the input (:class:`kvledger.errors.InputWarning`) one ``warning:`` line each.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
-from typing import NoReturn, Sequence
+import warnings
+from typing import Callable, NoReturn, Sequence
 
-from kvledger.errors import KVLedgerError
+from kvledger.errors import InputWarning, KVLedgerError
 
 SUBCOMMANDS = [
     "kvledger.cli.kv_bytes",
@@ -34,7 +37,17 @@ SUBCOMMANDS = [
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line: what was wrong and where to look."""
+    """An ArgumentParser whose errors are one line: what was wrong and where to look.
+
+    A value that looks like a negative number, with or without a unit (``-80GiB``, ``-1e5``), is
+    a value, not an unknown flag, so that its option's own check says what is wrong with it."""
+
+    NEGATIVE_VALUE = re.compile(r"^-\d[\d_.]*(?:[eE][+-]?\d+)?\s*[A-Za-z/]*$")
+    """``-80GiB``, ``-1.5TB/s``, ``-1e5``: no option of kvledger starts with ``-`` and a digit."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = self.NEGATIVE_VALUE
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
@@ -62,7 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warnings(args.command, warnings.showwarning)
+            return int(args.func(args) or 0)
     except KVLedgerError as err:
         print(f"kvledger {args.command}: error: {err}", file=sys.stderr)
         return 2
@@ -70,6 +85,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+
+
+def _one_line_warnings(command: str, show: Callable[..., None]) -> Callable[..., None]:
+    """A ``warnings.showwarning`` that prints an :class:`InputWarning` as one line,
+    ``kvledger COMMAND: warning: ...`` on stderr, and leaves every other warning to ``show``."""
+    def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+        if issubclass(category, InputWarning):
+            print(f"kvledger {command}: warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+    return show_warning
 
 
 if __name__ == "__main__":

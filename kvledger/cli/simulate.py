@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvledger.cli.common import positive_float, positive_int, simulated_request_rate, size
+from kvledger.cli.common import (length_scale, positive_float, positive_int, seed, simulated_request_rate, size,
+                                 time_scale)
 from kvledger.cli.flags import (add_block_size, add_gpu_memory_utilization, add_kv_cache_dtype, add_max_num_batched_tokens,
                                 add_max_num_seqs, add_tensor_parallel_size)
 from kvledger.config import SimulatorConfig
@@ -33,13 +34,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=positive_int, default=None, help="requests to replay (default: every row)")
     p.add_argument("--sample", choices=["random", "head"], default="random",
                    help="with --num-prompts: rows at random with --seed, or the first ones (default random)")
-    p.add_argument("--length-scale", type=positive_float, default=1.0, help="multiply lengths by this (default 1)")
+    p.add_argument("--length-scale", type=length_scale, default=1.0, help="multiply lengths by this (default 1)")
     p.add_argument("--request-rate", type=simulated_request_rate, default="trace",
                    help="requests/s (Poisson), or 'trace' for the trace's timestamps (default trace)")
     p.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of arrival gaps (default 1)")
-    p.add_argument("--time-scale", type=positive_float, default=1.0,
+    p.add_argument("--time-scale", type=time_scale, default=1.0,
                    help="with --request-rate trace: divide the trace's times by this (default 1)")
-    p.add_argument("--seed", type=int, default=0, help="seed for row sampling and arrivals (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seed for row sampling and arrivals (default 0)")
     p.add_argument("--shared-prefix-tokens", type=positive_int, default=0, metavar="N",
                    help="every prompt starts with the same N tokens (a system prompt; prefix caching shares them)")
     p.add_argument("--replicas", type=positive_int, default=SIMULATOR.replicas,
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from kvledger.cli.common import print_json
     from kvledger.sim.setup import max_request_len
     from kvledger.sim.simulate import build_requests, find_replicas, simulate, summary
-    from kvledger.workload.sampling import sample_requests
+    from kvledger.workload.sampling import check_shared_prefix, mean_prompt_tokens, sample_requests
     from kvledger.workload.traces import read_trace
 
     plt = None
@@ -99,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     sampled, times = sample_requests(trace, args.num_prompts, seed=args.seed, sample=args.sample,
                                      length_scale=args.length_scale, request_rate=args.request_rate,
                                      burstiness=args.burstiness, time_scale=args.time_scale, max_model_len=max_len)
+    check_shared_prefix(args.shared_prefix_tokens, mean_prompt_tokens([r.input_len for r in sampled]),
+                        f"the mean prompt of the requests drawn from {trace.name}")
 
     def make():
         return build_requests(sampled, times, args.length_scale, args.shared_prefix_tokens)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-from kvledger.cli.common import non_negative_float, positive_int, print_json
+from kvledger.cli.common import non_negative_float, positive_int, print_json, signed_seed
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,7 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=positive_int, default=1, metavar="B", help="sequences (default 1)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--no-rope", dest="rope", action="store_false", help="disable rotary position embedding")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=signed_seed, default=0, metavar="N",
+                   help="seed of the random weights and inputs (default 0)")
     p.add_argument("--tolerance", type=non_negative_float, default=None,
                    help="max allowed |difference|, zero or more (default 1e-5 float32, 1e-12 float64)")
     p.add_argument("--json", action="store_true")

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvledger.errors import KVLedgerError
+from kvledger.spec.presets import check_model_name
 
 DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -88,6 +89,7 @@ def _gemma3_checkpoint() -> Path:
 def resolve_model(model: str | None) -> Checkpoint:
     """A :class:`Checkpoint` for a preset name, a ``.gguf`` path or a Hugging Face model directory."""
     name = (model or DEFAULT_MODEL).strip()
+    check_model_name(name)
     if name.lower() in _PRESET_ALIASES:
         path = smollm2_gguf_path()
         return Checkpoint(name=DEFAULT_MODEL, path=path, gguf_file=path)

@@ -6,14 +6,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvledger.errors import KVLedgerError
+from kvledger.errors import KVLedgerError, parse_json
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:
     """The ``config.json`` of a model directory as a dict."""
     path = Path(model_dir) / "config.json"
     try:
-        return json.loads(path.read_text())
+        return parse_json(path.read_text())
     except FileNotFoundError as err:
         raise KVLedgerError(f"{model_dir} has no config.json; give a Hugging Face model directory or a .gguf file") from err
     except json.JSONDecodeError as err:

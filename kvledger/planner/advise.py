@@ -42,6 +42,7 @@ from kvledger.planner.gpus import GPU
 from kvledger.planner.memory_wall import MemoryWall, plan_memory, sequence_blocks, users_at, verdict
 from kvledger.spec import ModelSpec
 from kvledger.spec.dtypes import QUANTIZED_KV_DTYPES
+from kvledger.workload.sampling import check_shared_prefix
 
 CAPACITY_BINDS_AT = 0.9
 """Share of the pool today's users must fill for capacity, not concurrency, to bind
@@ -113,8 +114,7 @@ def advise(spec: ModelSpec, gpu: GPU, config: PlannerConfig | None = None, *, pr
             raise KVLedgerError(f"{flag} must be a positive integer, got {value}")
     if output_tokens < 0 or shared_prefix_tokens < 0:
         raise KVLedgerError("--output-tokens and --shared-prefix-tokens must not be negative")
-    if shared_prefix_tokens > prompt_tokens:
-        raise KVLedgerError(f"--shared-prefix-tokens ({shared_prefix_tokens}) exceeds --prompt-tokens ({prompt_tokens})")
+    check_shared_prefix(shared_prefix_tokens, prompt_tokens, "--prompt-tokens")
     config = replace(config or PlannerConfig(), **settings)
     wall = plan_memory(spec, gpu, config)
     per_user = prompt_tokens + output_tokens
@@ -161,8 +161,8 @@ def advise(spec: ModelSpec, gpu: GPU, config: PlannerConfig | None = None, *, pr
         after = users_at(spec, wall, per_user, shared_prefix_tokens)
         levers.append(lever(
             "prefix-caching", "--enable-prefix-caching", after, "none",
-            f"the {shared_prefix_tokens:,}-token shared prefix across {target_users} users is {duplicated:,} duplicated "
-            f"tokens ({duplicated / wall.kv_tokens:.0%} of the pool); shared once it costs {shared_prefix_tokens:,}; "
+            f"the {shared_prefix_tokens:,}-token shared prefix across {target_users:,} users is {duplicated:,} duplicated "
+            f"tokens ({duplicated / wall.kv_tokens:,.0%} of the pool); shared once it costs {shared_prefix_tokens:,}; "
             "price: block-table bookkeeping and an invalidation path when the prompt changes"))
     else:
         levers.append(lever("prefix-caching", "--enable-prefix-caching", capacity, "none",
@@ -172,8 +172,8 @@ def advise(spec: ModelSpec, gpu: GPU, config: PlannerConfig | None = None, *, pr
     served = max(1, min(capacity, target_users))
     levers.append(lever(
         "admission-control", f"--max-num-seqs {served}", capacity, "latency",
-        f"the pool holds {capacity} such users, {users} are admitted; free, but each decode step reads more KV: "
-        f"{step_ms(max(1, served_now)):.0f} ms -> {step_ms(served):.0f} ms per token at {served} users; "
+        f"the pool holds {capacity:,} such users, {users:,} are admitted; free, but each decode step reads more KV: "
+        f"{step_ms(max(1, served_now)):,.0f} ms -> {step_ms(served):,.0f} ms per token at {served:,} users; "
         "check the TPOT SLO", lifts_admission=True))
 
     if not wall.kv_pool_given and wall.gpu_memory_utilization < RAISED_UTILIZATION:
@@ -191,7 +191,7 @@ def advise(spec: ModelSpec, gpu: GPU, config: PlannerConfig | None = None, *, pr
     after = users_at(spec, wall, max_len)
     levers.append(lever(
         "max-model-len", f"--max-model-len {max_len}", after, "rejections",
-        f"worst-case reservations: {before} users at the model's {model_max or max_len:,} tokens, {after} at "
+        f"worst-case reservations: {before:,} users at the model's {model_max or max_len:,} tokens, {after:,} at "
         f"{max_len:,} (this prompt + output); price: longer requests are rejected, so measure the tail first"))
 
     if wall.kv_cache_dtype not in QUANTIZED_KV_DTYPES:
@@ -208,7 +208,7 @@ def advise(spec: ModelSpec, gpu: GPU, config: PlannerConfig | None = None, *, pr
         "vLLM would convert it in its kernels, and the chapter's advice there is int8"]
     notes = hybrid_notes + notes
     if target_met:
-        notes.insert(0, f"the target is already met: {served_now} users are served and {target_users} are wanted; "
+        notes.insert(0, f"the target is already met: {served_now:,} users are served and {target_users:,} are wanted; "
                         "no lever is needed")
 
     tp = wall.tensor_parallel_size

@@ -16,7 +16,7 @@ from kvledger.errors import KVLedgerError
 from kvledger.planner import bandwidth as bw
 from kvledger.planner.bandwidth import CROSSOVER_CONTEXT, DEFAULT_BANDWIDTH_EFFICIENCY
 from kvledger.planner.gpus import GPU
-from kvledger.planner.memory_wall import (CONTEXTS, MemoryWall, check_max_model_len, max_concurrency,
+from kvledger.planner.memory_wall import (CONTEXTS, MemoryWall, Verdict, check_max_model_len, max_concurrency,
                                           max_fitting_length, plan_memory, request_held_bytes, sequence_blocks,
                                           startup_max_model_len, useful_work, users_at, verdict)
 from kvledger.spec import ModelSpec
@@ -126,8 +126,26 @@ def plan(spec: ModelSpec, gpu: GPU, config: PlannerConfig | None = None, *, user
                     f"vLLM starts with the model's context ({spec.max_position_embeddings:,} tokens) unless told "
                     f"otherwise, and its start-up check allows {out['vllm_max_model_len']:,} for one request",
                     f"set --max-model-len {out['vllm_max_model_len']} or less")
+    if workload and v.verdict != "does not fit":
+        v = workload_verdict(out["workload"], spec) or v
     out.update(verdict=v.verdict, verdict_term=v.term, verdict_reason=v.reason, verdict_advice=v.advice)
     return result
+
+
+def workload_verdict(report: dict[str, Any], spec: ModelSpec) -> Verdict | None:
+    """"does not fit" when the recommended ``--max-model-len`` (cut to the model's context) turns away
+    more of the trace's requests than the p99 rule alone would: the model cannot serve them, however
+    the pool is sized. ``None`` when the recommendation holds the trace."""
+    from kvledger.planner.trace_sizing import P99_RULE_REJECTS
+
+    rec = report["recommend"]
+    if rec["rejected_share"] <= P99_RULE_REJECTS:
+        return None
+    return Verdict("does not fit", "workload",
+                   f"{rec['rejected_share']:.2%} of the requests of {report['file']} are longer than the model's "
+                   f"context, max_position_embeddings = {spec.max_position_embeddings:,}, which --max-model-len "
+                   "cannot exceed", "shorten those requests (or check the trace's lengths), or plan a model with a "
+                                    "longer context")
 
 
 def check_context(spec: ModelSpec, tokens: int | None, flag: str) -> None:
@@ -138,15 +156,29 @@ def check_context(spec: ModelSpec, tokens: int | None, flag: str) -> None:
                             f"{model_max:,} in {spec.name}'s config; lower {flag}")
 
 
+def check_fits_context(trace: Any, spec: ModelSpec) -> None:
+    """Refuse a trace none of whose requests (prompt + output tokens) fits the model's context: no
+    ``--max-model-len`` serves it, so there is nothing to recommend or to plan."""
+    model_max = spec.max_position_embeddings
+    shortest = int(trace.total.min())
+    if model_max and shortest > model_max:
+        raise KVLedgerError(f"every request of {trace.name} is longer than {spec.name}'s context (the shortest has "
+                            f"{shortest:,} tokens, max_position_embeddings = {model_max:,}): no --max-model-len "
+                            "serves it; check the trace's lengths, or plan a model with a longer context")
+
+
 def workload_report(path: str, spec: ModelSpec, gpu: GPU, wall: MemoryWall, bandwidth: float,
                     shared_prefix_tokens: int | None = None) -> tuple[dict[str, Any], Any, Any]:
     """(report, trace, replay): the trace's lengths, its replay against the pool, the limits to set
     and the prefix savings. The replay reads each live token at its cost in a sequence of the
     trace's mean live length (exact for full-attention models; see ``bandwidth``)."""
     from kvledger.planner import trace_sizing as wl
+    from kvledger.workload.sampling import check_shared_prefix, mean_prompt_tokens
     from kvledger.workload.traces import read_trace
 
     trace = read_trace(path)
+    check_fits_context(trace, spec)
+    check_shared_prefix(shared_prefix_tokens, mean_prompt_tokens(trace.prompt), f"the mean prompt of {trace.name}")
     context = max(1, round(wl.mean_live_tokens(trace)))
     token_bytes = bw.live_token_bytes(spec, wall.kv_cache_dtype, context, wall.tensor_parallel_size)
     rep = wl.replay(trace, lambda live: bw.step_time(bw.weight_bytes_read_per_step(wall, max(1, round(live / context))),

@@ -152,6 +152,12 @@ def prefix_savings(trace: Trace, shared_prefix_tokens: int | None = None) -> dic
 
 
 # ------------------------------------------------------------------------------ limits
+P99_RULE_REJECTS = 0.02
+"""The most requests the p99 rule of :func:`recommend` turns away by itself: those above the 99th
+percentile of prompts or of outputs, 1% each. A recommendation that rejects more was cut by the
+model's context, and the plan's verdict says so."""
+
+
 def recommend(trace: Trace, block_size: int, pool_tokens: int, live_per_sequence: float | None,
               model_max_len: int | None = None) -> dict[str, Any]:
     """``--max-model-len`` (p99 prompt + p99 output, rounded up to a block, at most the model's

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from kvledger.errors import KVLedgerError
+from kvledger.errors import KVLedgerError, parse_json
 from kvledger.spec import ModelSpec, count_params, kv_bytes, weights_bytes
 
 TERMS = ("step", "weight_bytes", "prefill_tokens", "prefill_attention", "decode_tokens", "kv_read_bytes",
@@ -260,7 +260,7 @@ class Profile:
     def load(cls, path: str | Path) -> "Profile":
         p = Path(path)
         try:
-            data = json.loads(p.read_text())
+            data = parse_json(p.read_text())
         except FileNotFoundError:
             raise KVLedgerError(f"no such profile: {p}; write one with 'kvledger calibrate --out {p.name}'") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:

@@ -14,11 +14,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import reprlib
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvledger.errors import ConfigError
+from kvledger.errors import ConfigError, InputWarning, parse_json
 from kvledger.spec.state import (ATTENTION_KINDS, LINEAR, MAMBA, MAMBA1, MAMBA2, STATE_KINDS, StateSpec, layer_kinds,
                                  parallel_state_layers, state_spec)
 
@@ -42,6 +43,17 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma2": {"sliding_window": 4096, "head_dim": 256, "tie_word_embeddings": True},
     "gemma": {"head_dim": 256, "tie_word_embeddings": True},
 }
+
+KNOWN_MODEL_TYPES: frozenset[str] = frozenset({
+    "llama", "llama4", "llama4_text", "mistral", "mistral3", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+    "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "gemma", "gemma2", "gemma3",
+    "gemma3_text", "phi", "phi3", "granite", "granitemoehybrid", "deepseek_v2", "deepseek_v3", "gpt_oss",
+    "starcoder2", "gpt2", "gpt_neox", "gpt_bigcode", "falcon", "opt", "jamba", "mamba", "mamba2", "falcon_mamba",
+    "falcon_h1", "zamba2", "bamba", "nemotron_h", "lfm2", "minimax_text_01", "minimax_m1", "kimi_linear",
+})
+"""The ``model_type`` values of the bundled presets and of the families this package has rules for
+(defaults, which layers slide, hybrid state, weight counts). Any other is read as a generic
+decoder from the standard keys, with a warning (:class:`kvledger.errors.InputWarning`)."""
 
 # Families whose ``sliding_window`` applies to every layer when ``layer_types`` is absent.
 _ALL_LAYERS_SLIDING = {"mistral", "phi3", "mixtral", "starcoder2"}
@@ -168,6 +180,7 @@ class ModelSpec:
         text = config.get("text_config")
         cfg = dict(text) if isinstance(text, dict) else dict(config)
         model_type = str(cfg.get("model_type") or outer.get("model_type") or "unknown")
+        _warn_unknown_model_type(cfg.get("model_type") or outer.get("model_type"), where)
         notes: list[str] = []
         if isinstance(text, dict):
             notes.append("read from text_config (multimodal model; the vision tower has no KV cache)")
@@ -292,13 +305,26 @@ class ModelSpec:
         index = config_file.parent / "model.safetensors.index.json"
         published = None
         if index.exists():
-            total = _read_json(index).get("metadata", {}).get("total_size")
+            meta = _read_json(index)
+            meta = meta.get("metadata") if isinstance(meta, dict) else None
+            total = meta.get("total_size") if isinstance(meta, dict) else None
             published = int(total) if total else None
         return cls.from_config_dict(config, name=name or config_file.parent.name, source=str(config_file),
                                     weights_bytes_published=published)
 
     def with_overrides(self, **changes: Any) -> "ModelSpec":
         return dataclasses.replace(self, **changes)
+
+
+def _warn_unknown_model_type(model_type: Any, where: str) -> None:
+    """An :class:`InputWarning` when the config names a ``model_type`` outside ``KNOWN_MODEL_TYPES``
+    (none named: a bare geometry, nothing to doubt)."""
+    if model_type and str(model_type) not in KNOWN_MODEL_TYPES:
+        warnings.warn(InputWarning(
+            f"{where}: model_type {reprlib.repr(str(model_type))} is not a family kvledger knows; it is read as a "
+            "generic decoder from the standard keys (every layer full attention unless layer_types or "
+            "sliding_window says otherwise): check the model_type, or the numbers against the model's card"),
+            stacklevel=3)
 
 
 MAX_CONFIG_COUNT = 2**31 - 1
@@ -310,6 +336,9 @@ MAX_CONFIG_LAYERS = 10_000
 def _positive_int(value: Any, key: str, where: str) -> int:
     """``value`` as a positive int of at most ``MAX_CONFIG_COUNT`` (``MAX_CONFIG_LAYERS`` for a
     layer count), or a ConfigError that names the key."""
+    if isinstance(value, str):  # "32" in a hand-written file: a typo to show, not a count to guess
+        raise ConfigError(f"{where}: '{key}' must be a positive integer, got the string {reprlib.repr(value)}; "
+                          f"write it as a JSON number, without quotes")
     try:
         number = int(value)
         exact = not isinstance(value, bool) and float(value) == number
@@ -334,7 +363,7 @@ def _count(cfg: dict[str, Any], keys: tuple[str, ...], where: str) -> int:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        return parse_json(path.read_text())
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path} is not valid JSON (line {err.lineno}: {err.msg}); give a Hugging Face config.json") from None
     except UnicodeDecodeError:

@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from kvledger.errors import ConfigError
+from kvledger.errors import ConfigError, shorten
 from kvledger.spec.model_spec import ModelSpec
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -45,11 +45,30 @@ def presets() -> dict[str, Path]:
     return table
 
 
+MAX_MODEL_NAME = 4096
+"""The longest model name taken, in characters: Linux's PATH_MAX, the longest path it opens."""
+MAX_FILE_NAME_BYTES = 255
+"""The longest file name (one component of a path) a file system takes, in bytes (NAME_MAX)."""
+
+
+def check_model_name(text: str) -> None:
+    """Refuse, before any file system call (which would fail with "File name too long"), a model
+    name that no preset, Hugging Face id or path can be: over ``MAX_MODEL_NAME`` characters, a
+    component over ``MAX_FILE_NAME_BYTES`` bytes, or a NUL character."""
+    longest = max(len(part.encode("utf-8", "surrogateescape")) for part in text.split("/"))
+    if len(text) > MAX_MODEL_NAME or longest > MAX_FILE_NAME_BYTES or "\0" in text:
+        what = "holds a NUL character" if "\0" in text else (
+            f"is {len(text):,} characters long, more than a file name or path can be")
+        raise ConfigError(f"model name {shorten(text)!r} {what}; give a preset name, a Hugging Face id, a file or a "
+                          "model directory")
+
+
 def load_model_spec(model: str | Path | dict[str, Any]) -> ModelSpec:
     """A ``ModelSpec`` from a preset name, a ``config.json`` path, a model directory or a dict."""
     if isinstance(model, dict):
         return ModelSpec.from_config_dict(model)
     text = str(model)
+    check_model_name(text)
     table = presets()
     if text.lower() in table:
         return ModelSpec.from_path(table[text.lower()], name=text.lower())

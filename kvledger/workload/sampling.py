@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -26,6 +27,22 @@ class SampledRequest:
     output_len: int
     arrival_s: float | None = None
     hash_ids: list[int] | None = None
+
+
+def check_shared_prefix(tokens: int | None, prompt_tokens: int, prompts: str) -> None:
+    """Refuse a shared prefix (``--shared-prefix-tokens``, tokens) longer than the prompts it starts:
+    ``prompt_tokens`` is the prompt length (the mean over a trace, rounded as ``advise`` takes it),
+    ``prompts`` names where it comes from. A prefix longer than the average prompt would make most
+    requests nothing but the prefix: a typo, not a workload."""
+    if tokens and tokens > prompt_tokens:
+        raise KVLedgerError(f"--shared-prefix-tokens {tokens:,} exceeds {prompts} ({prompt_tokens:,} tokens): a shared "
+                            f"prefix is the start of every prompt; give at most {prompt_tokens:,}")
+
+
+def mean_prompt_tokens(prompts: Sequence[int] | np.ndarray) -> int:
+    """The mean of ``prompts`` (tokens), rounded, at least 1: a trace's typical prompt for the
+    planner's and the simulator's checks."""
+    return max(1, round(float(np.mean(prompts)))) if len(prompts) else 1
 
 
 def select(trace: Trace, num_prompts: int | None, *, seed: int, sample: str, length_scale: float,
@@ -80,6 +97,9 @@ def arrival_times(n: int, request_rate: float | str, *, seed: int, burstiness: f
     rng = np.random.default_rng(seed)
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
     times = np.cumsum(gaps)
+    if not times[-1] > 0:  # a gamma shape so small that every gap underflows to zero
+        raise KVLedgerError(f"--burstiness {burstiness:g} is so small that every gap between arrivals is zero; "
+                            "give 0.01 or more (1 is Poisson)")
     times *= (n / rate) / times[-1]
     return times.tolist()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kvledger.errors import KVLedgerError
+from kvledger.errors import KVLedgerError, parse_json, shorten
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per ``hash_ids`` block in the Mooncake traces."""
@@ -62,8 +63,12 @@ class Trace:
 def read_trace(path: str | Path) -> Trace:
     """Read a trace file (Azure CSV, Mooncake JSONL, or generic CSV/JSONL)."""
     p = Path(path)
-    if not p.is_file():
-        raise KVLedgerError(f"no such trace file: {p}; give --workload a CSV or JSONL trace")
+    try:
+        found = p.is_file()
+    except OSError:  # a name longer than the file system takes
+        found = False
+    if not found:
+        raise KVLedgerError(f"no such trace file: {shorten(str(p))}; give --workload a CSV or JSONL trace")
     try:
         with p.open(newline="", encoding="utf-8") as fh:
             first = fh.readline()
@@ -78,6 +83,8 @@ def read_trace(path: str | Path) -> Trace:
                 trace = _read_csv(fh, p)
     except UnicodeDecodeError:
         raise KVLedgerError(f"{p} is not a text file; give a CSV or JSONL trace") from None
+    except OSError as err:
+        raise KVLedgerError(f"cannot read the trace {p}: {err.strerror or err}") from None
     if not len(trace):
         raise KVLedgerError(f"{p} holds no requests")
     return trace
@@ -108,17 +115,27 @@ def _int_field(value: Any, line: int, key: str, path: Path, minimum: int) -> int
 
 
 def _time_field(value: Any, line: int, path: Path, scale: float) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value) * scale
-    text = str(value).strip()
+    """Row ``line``'s timestamp in seconds: a number (times ``scale``) or an ISO 8601 date-time."""
+    number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value).strip()
     try:
-        return float(text) * scale
+        seconds = float(number) * scale
+    except OverflowError:  # an integer beyond any float
+        seconds = math.inf
     except ValueError:
-        pass
-    try:
-        return datetime.fromisoformat(text).timestamp()
-    except ValueError:
-        raise KVLedgerError(f"{path}:{line}: timestamp {value!r} is neither a number nor an ISO date-time") from None
+        try:
+            return datetime.fromisoformat(number).timestamp()
+        except ValueError:
+            raise KVLedgerError(f"{path}:{line}: timestamp {value!r} is neither a number nor an ISO date-time") from None
+    return _finite_time(seconds, value, line, path)
+
+
+def _finite_time(seconds: float, value: Any, line: int, path: Path) -> float:
+    """``seconds`` if it is a finite number; NaN or infinity (``nan``, ``inf``, JSON's ``NaN``) is no
+    time a request arrives at: a KVLedgerError naming the row."""
+    if not math.isfinite(seconds):
+        raise KVLedgerError(f"{path}:{line}: timestamp {value!r} is not a finite number; give each row a time "
+                            "in seconds (ms in Mooncake traces) or an ISO date-time")
+    return seconds
 
 
 def _read_csv(fh, path: Path) -> Trace:
@@ -155,7 +172,7 @@ def _read_jsonl(fh, path: Path) -> Trace:
         if not text.strip():
             continue
         try:
-            row = json.loads(text)
+            row = parse_json(text)
         except json.JSONDecodeError as err:
             raise KVLedgerError(f"{path}:{line}: not valid JSON ({err.msg})") from None
         if not isinstance(row, dict):
