@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
                       seed=args.seed, id_seed=args.id_seed, sample=args.sample, vocab_size=args.vocab_size,
                       max_model_len=args.max_model_len, api_key=args.api_key, ignore_eos=args.ignore_eos,
                       prompt_format=args.prompt_format, tokenizer=args.tokenizer, percentiles=percentiles)
-    metrics, info = asyncio.run(run_benchmark(cfg))
+    metrics, info = asyncio.run(run_benchmark(cfg, progress=True))  # the bar on stderr, the report on stdout
     if args.json:
         print_json({"info": info, "metrics": asdict(metrics)})
     else:
