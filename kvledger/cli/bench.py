@@ -65,7 +65,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--percentiles", default="50,90,99", help="comma-separated percentiles (default 50,90,99)")
     s.add_argument("--json", action="store_true", help="print the metrics as JSON")
     s.add_argument("--markdown", metavar="FILE", default=None,
-                   help="append the result (command and tables) to this Markdown file, e.g. BENCHMARKS.md")
+                   help="also append the result (command and tables) to this Markdown file, e.g. results.md; "
+                        "without it nothing is written")
     s.set_defaults(func=run)
 
 
