@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -154,6 +155,34 @@ def test_bench_serve_against_our_server(azure_csv, tmp_path, capsys):
     fresh = json.loads(capsys.readouterr().out)
     assert fresh["metrics"]["total_output"] == expected_tokens and fresh["info"]["id_seed"] == 4
     assert scrape(server.url)["kvledger:prefix_cache_hits_total"] == repeated
+
+
+@pytest.mark.slow
+def test_bench_serve_writes_only_where_told_and_shows_progress(azure_csv, tmp_path, monkeypatch, capsys):
+    """Without --markdown nothing is written: not where it runs, not in the repository (whose
+    BENCHMARKS.md a README example once appended to). ``--markdown results.md``, as the README has
+    it, writes that file where the user runs it. While the requests run, a bar on stderr; stdout is
+    the report alone."""
+    from tests.server_harness import shared_server
+
+    server = shared_server()
+    benchmarks = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
+    before = benchmarks.read_bytes()
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    # two requests at 1 req/s: the last goes out at 2 s, past the bar's delay
+    argv = ["bench", "serve", "--base-url", server.url, "--trace", str(azure_csv), "--num-prompts", "2",
+            "--sample", "head", "--length-scale", "0.1", "--request-rate", "1"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "Successful requests" in captured.out and "bench serve:" not in captured.out
+    assert "bench serve:" in captured.err and "2/2" in captured.err, captured.err
+    assert list(here.iterdir()) == [] and benchmarks.read_bytes() == before
+
+    assert main(argv + ["--markdown", "results.md"]) == 0
+    assert [p.name for p in here.iterdir()] == ["results.md"] and benchmarks.read_bytes() == before
+    assert "| TTFT" in (here / "results.md").read_text()
 
 
 @pytest.mark.slow

@@ -90,3 +90,18 @@ def test_dashboard_charts_allocated_blocks_and_used_tokens_while_requests_run(ru
     SCREENSHOT.unlink(missing_ok=True)
     run_chromium(server.url + "/dashboard", "--window-size=1280,1300", f"--screenshot={SCREENSHOT}")
     assert SCREENSHOT.is_file() and SCREENSHOT.stat().st_size > 10_000
+
+
+def test_root_redirects_to_the_dashboard_and_the_dashboard_loads():
+    """``GET /`` is where a user points a browser first: it answers a redirect to ``/dashboard``,
+    and a browser that follows it gets the live page, filled from the server's ledger."""
+    server = shared_server()
+    root = httpx.get(server.url + "/")
+    assert root.is_redirect and root.headers["location"] == "/dashboard", (root.status_code, root.headers)
+    followed = httpx.get(server.url + "/", follow_redirects=True)
+    assert followed.status_code == 200 and str(followed.url) == server.url + "/dashboard"
+    assert "uPlot" in followed.text
+
+    data = body_data(run_chromium(server.url + "/", "--dump-dom"))
+    assert int(data["num-blocks"]) == server.aengine.snapshot()["num_blocks"]
+    assert int(data["samples"]) > 0

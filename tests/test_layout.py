@@ -19,6 +19,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("__init__",),  # the package: its version; ``LLM`` and ``SamplingParams`` are looked up lazily
     ("errors",),
     ("units",),
+    ("progress",),
     ("plotting",),
     ("spec",),
     ("config",),

@@ -8,6 +8,9 @@ from hypothesis import given, settings, strategies as st
 from kvledger.evaluate.verify import AppendOnlyKVCache, VerifyConfig, run_verify
 from tests.cli_helpers import assert_one_line_error, kvledger
 
+LONG_RUN_TOKENS = 3072
+"""Tokens for which verify (two layers) runs well past the progress bar's delay: about 4 s on one core."""
+
 
 def test_defaults_are_the_chapters_diagnostic():
     r = run_verify(VerifyConfig())
@@ -22,6 +25,18 @@ def test_cli_defaults_print_65536_and_pass():
     assert out["predicted_bytes"] == out["measured_bytes"] == 65_536 and out["passed"] is True
     text = kvledger("verify")
     assert "65,536" in text.stdout and "PASSED" in text.stdout
+
+
+def test_a_long_run_shows_progress_on_stderr_and_leaves_stdout_alone():
+    """A long sequence takes seconds (each cached token attends over the whole cache): a bar on
+    stderr follows the cached pass; stdout, here --json, is the result alone. A quick run prints no bar."""
+    quick = kvledger("verify")
+    assert quick.returncode == 0 and "verify:" not in quick.stderr, quick.stderr
+    tokens = str(LONG_RUN_TOKENS)
+    long = kvledger("verify", "--tokens", tokens, "--layers", "2", "--json")
+    assert long.returncode == 0, long.stderr
+    assert long.json()["passed"] is True
+    assert "verify:" in long.stderr and f"{tokens}/{tokens}" in long.stderr, long.stderr
 
 
 def test_a_broken_cache_is_caught():

@@ -54,7 +54,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--percentiles", default="50,90,99", help="comma-separated percentiles (default 50,90,99)")
     s.add_argument("--json", action="store_true", help="print the metrics as JSON")
     s.add_argument("--markdown", metavar="FILE", default=None,
-                   help="append the result (command and tables) to this Markdown file, e.g. BENCHMARKS.md")
+                   help="also append the result (command and tables) to this Markdown file, e.g. results.md; "
+                        "without it nothing is written")
     s.set_defaults(func=run)
 
 
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
                       seed=args.seed, id_seed=args.id_seed, sample=args.sample, vocab_size=args.vocab_size,
                       max_model_len=args.max_model_len, api_key=args.api_key, ignore_eos=args.ignore_eos,
                       prompt_format=args.prompt_format, tokenizer=args.tokenizer, percentiles=percentiles)
-    metrics, info = asyncio.run(run_benchmark(cfg))
+    metrics, info = asyncio.run(run_benchmark(cfg, progress=True))  # the bar on stderr, the report on stdout
     if args.json:
         print_json({"info": info, "metrics": asdict(metrics)})
     else:

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = VerifyConfig(layers=args.layers, heads=args.heads, kv_heads=args.kv_heads or args.heads,
                        head_dim=args.head_dim, tokens=args.tokens, batch=args.batch, dtype=args.dtype,
                        rope=args.rope, seed=args.seed, tolerance=args.tolerance)
-    result = run_verify(cfg)
+    result = run_verify(cfg, progress=True)  # on stderr: stdout and --json are the result alone
     if args.json:
         print_json(asdict(result))
     else:

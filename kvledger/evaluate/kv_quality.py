@@ -34,6 +34,7 @@ from kvledger.errors import KVLedgerError
 from kvledger.layers.attention import AttentionMetadata, PrefillChunk
 from kvledger.kvcache.storage import KVCache
 from kvledger.kvcache.quantized_storage import make_kv_cache
+from kvledger.progress import progress_bar
 from kvledger.spec.dtypes import KV_QUALITY_DEFAULT_KINDS as DEFAULT_KINDS
 
 DEFAULT_TEXT_SOURCE = "the Python language reference (pydoc_data.topics, shipped with Python; PSF License)"
@@ -182,17 +183,18 @@ def run_kv_quality(cfg: QualityConfig, progress: bool = False) -> dict[str, Dtyp
     kinds = ["reference", *cfg.kv_cache_dtypes]
     stats = {k: _Accumulator(positions, cfg.num_buckets) for k in kinds}
     chunks = range(0, positions, cfg.chunk_tokens)
-    if progress:
-        from tqdm import tqdm
-
-        chunks = tqdm(chunks, desc="kv-quality", unit="chunk")
-    for start in chunks:
-        chunk = tokens[start:min(start + cfg.chunk_tokens, positions)]
-        targets = tokens[start + 1:start + 1 + chunk.shape[0]]
-        ref = F.log_softmax(scorer.logits("reference", chunk, start), dim=-1)
-        stats["reference"].add(start, ref, ref, targets)
-        for kind in cfg.kv_cache_dtypes:
-            stats[kind].add(start, ref, F.log_softmax(scorer.logits(kind, chunk, start), dim=-1), targets)
+    bar = progress_bar(len(chunks), "kv-quality", "chunk", enabled=progress)
+    try:
+        for start in chunks:
+            chunk = tokens[start:min(start + cfg.chunk_tokens, positions)]
+            targets = tokens[start + 1:start + 1 + chunk.shape[0]]
+            ref = F.log_softmax(scorer.logits("reference", chunk, start), dim=-1)
+            stats["reference"].add(start, ref, ref, targets)
+            for kind in cfg.kv_cache_dtypes:
+                stats[kind].add(start, ref, F.log_softmax(scorer.logits(kind, chunk, start), dim=-1), targets)
+            bar.update(1)
+    finally:
+        bar.close()
     prompt = tokens[: cfg.greedy_prompt_tokens]
     greedy = {k: scorer.greedy(k, prompt, cfg.greedy_new_tokens, cfg.chunk_tokens) for k in kinds}
     reference_name = scorer.engine.kv_cache_dtype

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvledger.errors import KVLedgerError
+from kvledger.progress import ProgressBar, progress_bar
 from kvledger.spec import ModelSpec, kv_bytes
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -142,7 +143,8 @@ def _full(layers: list[AttentionLayer], x: torch.Tensor, cfg: VerifyConfig) -> t
     return x
 
 
-def _cached(layers: list[AttentionLayer], x: torch.Tensor, cfg: VerifyConfig, cache: AppendOnlyKVCache) -> torch.Tensor:
+def _cached(layers: list[AttentionLayer], x: torch.Tensor, cfg: VerifyConfig, cache: AppendOnlyKVCache,
+            bar: ProgressBar) -> torch.Tensor:
     outputs = []
     for t in range(cfg.tokens):
         h = x[:, t: t + 1]
@@ -154,6 +156,7 @@ def _cached(layers: list[AttentionLayer], x: torch.Tensor, cfg: VerifyConfig, ca
             keys, values = cache.append(i, k, v)
             h = layer.attend(h, q, keys, values, mask=None)  # one query sees every cached token
         outputs.append(h)
+        bar.update(1)
     return torch.cat(outputs, dim=1)
 
 
@@ -162,7 +165,9 @@ def predicted_cache_bytes(cfg: VerifyConfig) -> int:
     return kv_bytes(cfg.spec(), "auto", tokens=cfg.tokens, batch=cfg.batch).total_bytes
 
 
-def run_verify(cfg: VerifyConfig) -> VerifyResult:
+def run_verify(cfg: VerifyConfig, progress: bool = False) -> VerifyResult:
+    """Run both passes and weigh the cache. ``progress``: a bar on stderr over the cached pass's
+    tokens (the long part: each token attends over all the cache holds), shown once it runs a while."""
     cfg.check()
     dtype = DTYPES[cfg.dtype]
     torch.manual_seed(cfg.seed)
@@ -171,7 +176,11 @@ def run_verify(cfg: VerifyConfig) -> VerifyResult:
         x = torch.randn(cfg.batch, cfg.tokens, cfg.heads * cfg.head_dim, dtype=dtype)
         full = _full(layers, x, cfg)
         cache = AppendOnlyKVCache(cfg, dtype)
-        cached = _cached(layers, x, cfg, cache)
+        bar = progress_bar(cfg.tokens, "verify", "token", enabled=progress)
+        try:
+            cached = _cached(layers, x, cfg, cache, bar)
+        finally:
+            bar.close()
         diff = (full - cached).abs().max().item()
     tolerance = cfg.tolerance if cfg.tolerance is not None else DEFAULT_TOLERANCE[cfg.dtype]
     predicted, measured = predicted_cache_bytes(cfg), cache.nbytes()

@@ -28,6 +28,7 @@ import numpy as np
 
 from kvledger.errors import KVLedgerError
 from kvledger.metrics.serving import RequestResult, ServingMetrics, calculate_metrics
+from kvledger.progress import progress_bar
 from kvledger.workload.sampling import SampledRequest, sample_requests
 from kvledger.workload.traces import MOONCAKE_BLOCK_TOKENS, read_trace
 
@@ -152,8 +153,9 @@ async def served_models(client: Any, base_url: str, headers: dict[str, str]) -> 
     return [str(m.get("id")) for m in data]
 
 
-async def run_benchmark(cfg: BenchConfig) -> tuple[ServingMetrics, dict[str, Any]]:
-    """Replay the workload; returns the metrics and a description of the run."""
+async def run_benchmark(cfg: BenchConfig, progress: bool = False) -> tuple[ServingMetrics, dict[str, Any]]:
+    """Replay the workload; returns the metrics and a description of the run. ``progress``: a bar
+    on stderr over the requests finished, shown once the run lasts a while."""
     import httpx
 
     trace = read_trace(cfg.trace)
@@ -186,6 +188,7 @@ async def run_benchmark(cfg: BenchConfig) -> tuple[ServingMetrics, dict[str, Any
         if model not in served:  # before sending a single request
             raise KVLedgerError(f"{base} does not serve {model!r}; it serves {', '.join(served)}: give one of them to --model")
         sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+        bar = progress_bar(len(requests), "bench serve", "req", enabled=progress)
 
         async def one(i: int, start: float) -> RequestResult:
             delay = start + times[i] - time.perf_counter()
@@ -194,12 +197,18 @@ async def run_benchmark(cfg: BenchConfig) -> tuple[ServingMetrics, dict[str, Any
             args = (client, base + cfg.endpoint, model, prompts[i], prompt_lens[i], requests[i].output_len,
                     headers, extra_body)
             if sem is None:
-                return await send_request(*args)
-            async with sem:
-                return await send_request(*args)
+                result = await send_request(*args)
+            else:
+                async with sem:
+                    result = await send_request(*args)
+            bar.update(1)
+            return result
 
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(i, t0) for i in range(len(requests))))
+        try:
+            results = await asyncio.gather(*(one(i, t0) for i in range(len(requests))))
+        finally:
+            bar.close()
         duration = time.perf_counter() - t0
     metrics = calculate_metrics(list(results), duration, list(cfg.percentiles), tokenizer)
     info = {"model": model, "trace": Path(cfg.trace).name, "format": trace.format, "num_prompts": len(requests),

@@ -6,7 +6,7 @@ Order of checks on ``/v1/*`` (each a one-line OpenAI error object naming the pro
 API key (401) -> body size (413) -> JSON and fields (400) -> model name (404) ->
 a request larger than the whole KV pool (400, with the numbers) -> prompt + max_tokens
 against ``max_model_len`` (400, with the numbers) -> the engine's own admission check
-(400) -> the waiting queue (503 + ``Retry-After``). ``/metrics``, ``/health`` and ``/dashboard`` need no key.
+(400) -> the waiting queue (503 + ``Retry-After``). ``/metrics``, ``/health`` and ``/dashboard`` (where ``/`` redirects) need no key.
 
 A request the engine accepted and then could not complete is a 500 naming the cause (503 while
 the server shuts down); streamed, the same error object arrives as a last event before
@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -331,6 +331,11 @@ def create_app(aengine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return ModelList(data=[ModelCard(id=name, created=config.created, root=aengine.engine.model_name,
                                          max_model_len=config.max_model_len)
                                for name in config.served_model_names])
+
+    @app.get("/")
+    async def root() -> RedirectResponse:
+        """A browser pointed at the server lands on the dashboard."""
+        return RedirectResponse("/dashboard", status_code=307)
 
     @app.get("/dashboard", response_class=HTMLResponse)
     async def dashboard() -> HTMLResponse:
