@@ -12,6 +12,9 @@ import re
 
 from kvledger.errors import KVLedgerError
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""The range of a 64-bit signed integer: seeds, token ids and counts that reach torch or numpy."""
+
 MiB = 1 << 20
 """Bytes in one mebibyte."""
 GiB = 1 << 30

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from kvledger.engine.sampling_params import INT64_MAX, INT64_MIN
+from kvledger.units import INT64_MAX, INT64_MIN
 from kvledger.units import parse_rate, parse_size
 from kvledger.errors import KVLedgerError, shorten
 

@@ -6,9 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvledger.errors import ParameterError
-
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-"""The integers a 64-bit tensor (torch.long) holds; a seed or count outside is refused."""
+from kvledger.units import INT64_MAX, INT64_MIN
 
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are greedy, as in vLLM (dividing logits by them overflows float32)."""

@@ -17,7 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kvledger.engine.sampling_params import INT64_MAX, INT64_MIN
+from kvledger.units import INT64_MAX, INT64_MIN
 from kvledger.server.errors import APIError
 
 
