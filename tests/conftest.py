@@ -70,7 +70,9 @@ LONGEST_FILES = ("test_gemma3.py", "test_kv_quality.py", "test_engine_identity.p
 AMX Xeon). `make test` hands whole files to two workers (``--dist loadfile``) in collection order;
 one of these started last would run on alone while the other worker idles, so they start first.
 test_gemma3.py's worker holds about 10 GB, so the Ray cluster's replicas (test_cluster.py, about
-4 GB more) run last, once it is done, on a 24 GB machine."""
+4 GB more) run last; ``make test`` runs that file in a second pytest, alone, as a worker that
+holds a model may still be running beside it (Ray's memory monitor ended the replicas at 95% of
+24 GB)."""
 LAST_FILES = ("test_cluster.py",)
 
 
