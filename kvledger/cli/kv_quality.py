@@ -39,12 +39,10 @@ def check_context(model: str | None, max_tokens: int, greedy_tokens: int) -> Non
     generated (in whole blocks of ``CUDA_BLOCK_SIZE`` tokens: the cache the scorer sizes) that run
     past the model's context (``max_position_embeddings``, in tokens), read from its config alone."""
     from kvledger.errors import KVLedgerError
-    from kvledger.loader.gguf import config_from_gguf
-    from kvledger.loader.resolve import resolve_model
-    from kvledger.loader.safetensors import read_config
+    from kvledger.loader.resolve import model_config, resolve_model
 
     checkpoint = resolve_model(model)
-    config = config_from_gguf(checkpoint.gguf_file) if checkpoint.gguf_file else read_config(checkpoint.path)
+    config = model_config(checkpoint)
     max_pos = int(config.get("max_position_embeddings") or 0)
     need = -(-(max_tokens + greedy_tokens) // CUDA_BLOCK_SIZE) * CUDA_BLOCK_SIZE
     if max_pos and need > max_pos:

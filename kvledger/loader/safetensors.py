@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from kvledger.errors import KVLedgerError, parse_json
+from kvledger.errors import KVLedgerError
+from kvledger.spec.model_spec import read_config as read_config_file
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:
     """The ``config.json`` of a model directory as a dict."""
     path = Path(model_dir) / "config.json"
-    try:
-        return parse_json(path.read_text())
-    except FileNotFoundError as err:
-        raise KVLedgerError(f"{model_dir} has no config.json; give a Hugging Face model directory or a .gguf file") from err
-    except json.JSONDecodeError as err:
-        raise KVLedgerError(f"{path} is not valid JSON: {err}") from err
-    except UnicodeDecodeError:
-        raise KVLedgerError(f"{path} is not a text file; give a Hugging Face config.json") from None
+    if not path.is_file():
+        raise KVLedgerError(f"{model_dir} has no config.json; give a Hugging Face model directory or a .gguf file")
+    return read_config_file(path)
 
 
 def load_safetensors_state_dict(model_dir: str | Path, dtype: "Any") -> dict[str, "Any"]:

@@ -3,7 +3,8 @@
 from kvledger.spec.dtypes import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 from kvledger.spec.kv_bytes import KVBytes, kv_bytes
 from kvledger.spec.model_spec import ModelSpec
-from kvledger.spec.presets import load_model_spec, presets
+from kvledger.spec.names import load_model_spec
+from kvledger.spec.presets import presets
 from kvledger.spec.weights import count_params, weights_bytes
 
 __all__ = [

@@ -301,11 +301,11 @@ class ModelSpec:
         if not config_file.exists():
             where = f"directory {p} has no config.json" if p.is_dir() else f"no such file: {p}"
             raise ConfigError(f"{where}; give a config.json, a model directory or a preset name (kvledger kv-bytes --list)")
-        config = _read_json(config_file)
+        config = read_config(config_file)
         index = config_file.parent / "model.safetensors.index.json"
         published = None
         if index.exists():
-            meta = _read_json(index)
+            meta = _read_json(index, "a safetensors index", "fix or remove it")
             meta = meta.get("metadata") if isinstance(meta, dict) else None
             total = meta.get("total_size") if isinstance(meta, dict) else None
             published = int(total) if total else None
@@ -361,13 +361,27 @@ def _count(cfg: dict[str, Any], keys: tuple[str, ...], where: str) -> int:
     return 0
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+CONFIG_HINT = "give a Hugging Face config.json"
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The JSON object a model's ``config.json`` at ``path`` holds; a one-line :class:`ConfigError`
+    saying the file is not a model's config otherwise (not text, not JSON, not an object)."""
+    config = _read_json(path, "a model's config", CONFIG_HINT)
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} is not a model's config: its JSON is a {type(config).__name__}, not an object; "
+                          f"{CONFIG_HINT}")
+    return config
+
+
+def _read_json(path: Path, what: str, hint: str) -> Any:
+    """The parsed JSON file at ``path``; the message says it is not ``what``, then ``hint``."""
     try:
         return parse_json(path.read_text())
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{path} is not valid JSON (line {err.lineno}: {err.msg}); give a Hugging Face config.json") from None
+        raise ConfigError(f"{path} is not {what}: not valid JSON (line {err.lineno}: {err.msg}); {hint}") from None
     except UnicodeDecodeError:
-        raise ConfigError(f"{path} is not a text file; give a Hugging Face config.json") from None
+        raise ConfigError(f"{path} is not {what}: not a text file; {hint}") from None
     except OSError as err:
         raise ConfigError(f"cannot read {path}: {err.strerror}") from None
 

@@ -1,4 +1,5 @@
-"""Bundled model configs under short preset names, and ``load_model_spec`` for any model.
+"""Bundled model configs under short preset names and the Hugging Face ids they came from
+(:mod:`kvledger.spec.names` resolves any model name with these tables).
 
 Each preset is a verbatim Hugging Face ``config.json`` shipped in ``kvledger/spec/configs/``
 (see ``SOURCES.md`` there). The preset name is the model name lower-cased
@@ -7,13 +8,10 @@ Each preset is a verbatim Hugging Face ``config.json`` shipped in ``kvledger/spe
 
 from __future__ import annotations
 
-import difflib
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 from kvledger.errors import ConfigError, shorten
-from kvledger.spec.model_spec import ModelSpec
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -25,6 +23,8 @@ ALIASES: dict[str, str] = {
     "llama-2-70b": "llama-2-70b-hf",
     "phi-3-mini": "phi-3-mini-128k-instruct",
     "gemma-3-270m": "gemma-3-270m-it",
+    "smollm2": "smollm2-135m-instruct",
+    "gemma3-270m": "gemma-3-270m-it",
 }
 
 
@@ -63,27 +63,7 @@ def check_model_name(text: str) -> None:
                           "model directory")
 
 
-def load_model_spec(model: str | Path | dict[str, Any]) -> ModelSpec:
-    """A ``ModelSpec`` from a preset name, a ``config.json`` path, a model directory or a dict."""
-    if isinstance(model, dict):
-        return ModelSpec.from_config_dict(model)
-    text = str(model)
-    check_model_name(text)
-    table = presets()
-    if text.lower() in table:
-        return ModelSpec.from_path(table[text.lower()], name=text.lower())
-    path = Path(text).expanduser()
-    if not path.exists() and text.lower() in hub_ids():  # a Hugging Face id with a bundled config
-        return ModelSpec.from_path(hub_ids()[text.lower()], name=text)
-    if path.exists() or "/" in text or text.endswith(".json"):
-        return ModelSpec.from_path(path, name=_path_name(path))
-    close = difflib.get_close_matches(text.lower(), list(table), n=4, cutoff=0.5)
-    hint = f"did you mean {', '.join(close)}?" if close else "run 'kvledger kv-bytes --list' for the presets"
-    raise ConfigError(f"unknown model {text!r}: not a preset, a bundled Hugging Face id, a config.json or a model "
-                      f"directory; {hint}")
-
-
-def _path_name(path: Path) -> str:
+def path_name(path: Path) -> str:
     """The model's name for a path: the directory holding ``config.json`` (resolved, so that
     ``.`` and a bare ``config.json`` name the directory they are in)."""
     resolved = path.resolve()
