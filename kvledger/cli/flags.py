@@ -14,6 +14,10 @@ from kvledger.config import (CUDA_BLOCK_SIZE, ENGINE_DTYPE, ENGINE_DTYPES, GPU_M
                              MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, VLLM_BLOCK_SIZES)
 from kvledger.spec.dtypes import KV_CACHE_DTYPES
 
+ENGINE_MODEL_HELP = ("smollm2-135m (default) or another preset with weights installed (gemma-3-270m), by any of its "
+                     "names or its Hugging Face id; a .gguf file; or a model directory (config.json and *.safetensors)")
+"""``--model`` of the commands that run the engine: the names :mod:`kvledger.spec.names` resolves to weights."""
+
 
 def add_block_size(parser, *, default: int | None = CUDA_BLOCK_SIZE, vllm_sizes: bool = False,
                    metavar: str | None = None, help: str | None = None) -> None:

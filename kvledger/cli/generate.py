@@ -32,11 +32,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvledger.cli.engine_args import engine_config_from_args
+    from kvledger.engine.limits import check_before_loading
     from kvledger.engine.sampling_params import SamplingParams
 
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     config = engine_config_from_args(args)
+    check_before_loading(config, args.max_tokens)  # the model's name and the token limits, in seconds
     from kvledger.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(config)

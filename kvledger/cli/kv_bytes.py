@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     custom.add_argument("--kv-heads", type=positive_int, metavar="H")
     custom.add_argument("--heads", type=positive_int, metavar="H", help="query heads (default: --kv-heads)")
     custom.add_argument("--head-dim", type=positive_int, metavar="D")
-    p.add_argument("--list", action="store_true", help="list the bundled presets and exit")
+    p.add_argument("--list", action="store_true", help="list the bundled presets (and which the engine has weights for) and exit")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -84,8 +84,12 @@ def run(args: argparse.Namespace) -> int:
     from kvledger.units import format_bytes
 
     if args.list:
+        from kvledger.spec.names import BUNDLED_WEIGHTS
+
+        installed = {w.config_dir for w in BUNDLED_WEIGHTS if w.checkpoint() is not None}
         for name, path in presets().items():
-            print(f"{name:32s} {path.name}")
+            engine = "weights installed: the engine runs it" if path.name in installed else ""
+            print(f"{name:32s} {path.name:44s} {engine}".rstrip())
         return 0
     spec = resolve_spec(args)
     kb = kv_bytes(spec, args.kv_cache_dtype, tokens=args.tokens, batch=args.batch,

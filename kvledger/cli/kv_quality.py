@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvledger.cli.common import positive_int, print_json
-from kvledger.cli.flags import add_engine_dtype
+from kvledger.cli.flags import ENGINE_MODEL_HELP, add_engine_dtype
 from kvledger.config import CUDA_BLOCK_SIZE
 from kvledger.spec.dtypes import ENGINE_QUANTIZED_KV_DTYPES, KV_QUALITY_DEFAULT_KINDS
 
@@ -17,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "8-bit kind, and reports per context-position bucket the mean KL divergence of the next-token "
                     "distributions, top-1 agreement and perplexity; plus the first token at which greedy "
                     "continuations part.")
-    p.add_argument("--model", default=None, help="smollm2-135m (default), a .gguf file or a model directory")
+    p.add_argument("--model", default=None, help=ENGINE_MODEL_HELP)
     p.add_argument("--text", default=None, metavar="FILE",
                    help="UTF-8 text (default: the Python language reference shipped with Python)")
     p.add_argument("--kv-cache-dtype", nargs="+", action="extend", choices=ENGINE_QUANTIZED_KV_DTYPES, metavar="D",

@@ -52,10 +52,9 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from kvledger.cli.engine_args import engine_config_from_args
-    from kvledger.engine.llm_engine import LLMEngine
+    from kvledger.engine.limits import check_before_loading
     from kvledger.errors import KVLedgerError
-    from kvledger.server.engine_thread import on_engine_thread
-    from kvledger.server.launcher import bind_socket, build_app, serve_async
+    from kvledger.spec.names import resolve_name
 
     if args.model_tag:
         if args.model and args.model != args.model_tag:
@@ -63,10 +62,18 @@ def run(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if not 0 <= args.port <= 65535:
         raise KVLedgerError(f"--port must be in 0..65535, got {args.port}")
+    config = engine_config_from_args(args)
+    check_before_loading(config)  # the model's name and --max-model-len, before Ray, the socket or the weights
+    if args.served_model_name is None and config.model and resolve_name(config.model).kind == "hub id":
+        args.served_model_name = config.model  # as vLLM serves ORG/NAME: under that name (and the model's own)
     if args.data_parallel_size > 1:
         return _run_fleet(args)
+    from kvledger.engine.llm_engine import LLMEngine
+    from kvledger.server.engine_thread import on_engine_thread
+    from kvledger.server.launcher import bind_socket, build_app, serve_async
+
     sock = bind_socket(args.host, args.port)  # fail fast, before the model loads
-    engine = on_engine_thread(LLMEngine, engine_config_from_args(args))  # the thread that runs its steps
+    engine = on_engine_thread(LLMEngine, config)  # the thread that runs its steps
     app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
                     max_waiting=args.max_waiting_requests, max_body_bytes=int(args.max_request_body_bytes),
                     shutdown_timeout_s=args.shutdown_timeout)
@@ -112,7 +119,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
     from kvledger.server.launcher import bind_socket
 
     launch.ray_serve()  # the install hint before anything starts
-    config = engine_config_from_args(args)  # bad flags fail here, before Ray starts
+    config = engine_config_from_args(args)
     sock = bind_socket(args.host, args.port)  # the port must be free (0: pick one) for Ray Serve's proxy
     port = sock.getsockname()[1]
     sock.close()

@@ -12,6 +12,7 @@ import itertools
 from typing import Any, Sequence
 
 from kvledger.config import EngineConfig
+from kvledger.engine.limits import check_before_loading
 from kvledger.engine.llm_engine import LLMEngine
 from kvledger.engine.outputs import KVLedger, RequestOutput
 from kvledger.engine.sampling_params import SamplingParams
@@ -24,7 +25,9 @@ class LLM:
     """A model with its engine. ``engine_args`` are :class:`EngineConfig` fields (vLLM names)."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        config = EngineConfig.from_kwargs(model=model, **engine_args)
+        check_before_loading(config)  # the model's name, --max-model-len and a user-sized pool, in a second
+        self.llm_engine = LLMEngine(config)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from kvledger.config import EngineConfig
+from kvledger.engine.limits import check_request_length
 from kvledger.engine.model_runner import ModelRunner
 from kvledger.engine.outputs import CompletionOutput, KVGroupLedger, KVLedger, RequestOutput, StepRecord
 from kvledger.engine.sampler import sample
@@ -176,11 +177,7 @@ class LLMEngine:
         self._check_vocabulary(ids, "prompt", "token id")
         self._check_vocabulary(sp.stop_token_ids, "stop_token_ids", "stop token id")
         max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len - len(ids)
-        total = len(ids) + max_tokens
-        if max_tokens < 1 or total > self.max_model_len:
-            raise KVLedgerError(
-                f"prompt {len(ids)} tokens + max_tokens {max_tokens} = {total} exceeds --max-model-len "
-                f"{self.max_model_len}; shorten the prompt or lower max_tokens")
+        check_request_length(len(ids), max_tokens, self.max_model_len)
         if sp.max_tokens is None:
             sp = dataclasses.replace(sp, max_tokens=max_tokens)
         request = Request(request_id, ids, sp, arrival=self._arrivals, prompt=prompt, arrival_time=time.perf_counter())

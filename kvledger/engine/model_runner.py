@@ -27,6 +27,7 @@ from kvledger.config import CPU_KV_CACHE_MAX, CPU_KV_CACHE_SHARE, GPU_MEMORY_UTI
 from kvledger.distributed import parallel_state as ps
 from kvledger.distributed.ranks import RankFailure, RankGroup, map_tensors, rank_device, receive
 from kvledger.engine.compile import ModelStep, compile_enabled
+from kvledger.engine.limits import check_pool_memory, context_limit, kv_layout
 from kvledger.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvledger.errors import KVLedgerError
 from kvledger.kernels import paged_decode, paged_prefill
@@ -38,7 +39,6 @@ from kvledger.layers.attention import AttentionMetadata, DecodeGroup, PrefillChu
 from kvledger.loader.resolve import converted_dir, resolve_model
 from kvledger.loader.safetensors import load_safetensors_state_dict, read_config
 from kvledger.models.registry import family_for
-from kvledger.spec import ModelSpec, kv_bytes, resolve_kv_cache_dtype
 from kvledger.spec.dtypes import PER_LAYER_SCALE_DTYPES
 from kvledger.units import available_ram_bytes, format_bytes
 
@@ -78,14 +78,13 @@ class ModelRunner:
         self.model_name, self.model_dir = checkpoint.name, converted_dir(checkpoint)
         self.config = config
         self.hf_config = read_config(self.model_dir)
+        self.context_limit = context_limit(config, self.hf_config, self.model_name).tokens
+        """The longest request the config and flags allow, in tokens (the pool may lower it)."""
         tp = config.tensor_parallel_size
         family = family_for(self.hf_config, self.model_name, tp)
-        dtype_name = "float32" if config.dtype == "auto" else config.dtype
-        self.dtype = torch_dtype(dtype_name)
+        self.dtype = torch_dtype("float32" if config.dtype == "auto" else config.dtype)
         # Eq 2.2 for one token (on one rank), from the model spec (pure Python), in the cache's dtype.
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype_name)
-        self.spec = ModelSpec.from_config_dict({**self.hf_config, "torch_dtype": dtype_name}, name=self.model_name)
-        self.kv_bytes = kv_bytes(self.spec, self.kv_cache_dtype, tensor_parallel_size=tp)  # raises for a bad TP
+        self.spec, self.kv_cache_dtype, self.kv_bytes = kv_layout(config, self.hf_config, self.model_name)
         self.kv_groups = family.kv_groups(self.hf_config)
         if len(self.kv_groups) > 1 and self.kv_cache_dtype in PER_LAYER_SCALE_DTYPES:
             raise KVLedgerError(f"--kv-cache-dtype {self.kv_cache_dtype} keeps one scale per layer, but "
@@ -155,23 +154,15 @@ class ModelRunner:
         """Rank 0's pool: ``num_gpu_blocks_override``, else what ``kv_cache_memory`` (or its default)
         holds; refused before anything is allocated if the device cannot hold it or one request
         of ``max_model_len`` tokens could not fit it."""
-        config, bs, tp = self.config, self.config.block_size, self.config.tensor_parallel_size
+        config, bs = self.config, self.config.block_size
         num_blocks = config.num_gpu_blocks_override or self.kv_bytes.num_pages(self._kv_cache_memory(), bs)
-        pool_bytes = self.kv_bytes.pages_bytes(num_blocks, bs) * (tp if self.device.type == "cpu" else 1)  # CPU ranks share RAM
-        free, _ = device_memory(self.device)
-        if pool_bytes > free:  # checked before allocating: a pool that cannot fit would exhaust the machine
-            flag = "--num-gpu-blocks-override" if config.num_gpu_blocks_override else "--kv-cache-memory"
-            raise KVLedgerError(f"the KV pool of {num_blocks:,} blocks needs {format_bytes(pool_bytes)} but the "
-                                f"{self.device.type} has {format_bytes(free)} free; lower {flag}")
-        max_pos = int(self.hf_config.get("max_position_embeddings") or 2048)
+        # checked before allocating: a pool that cannot fit would exhaust the machine
+        check_pool_memory(config, self.kv_bytes, num_blocks, bs, self.device.type, device_memory(self.device)[0])
         chunk = config.max_num_batched_tokens
         if config.max_model_len is None:
-            max_model_len = longest_fitting(self.kv_groups, max_pos, num_blocks, bs, chunk)
+            max_model_len = longest_fitting(self.kv_groups, self.context_limit, num_blocks, bs, chunk)
         else:
-            max_model_len = config.max_model_len
-            if max_model_len > max_pos:
-                raise KVLedgerError(f"--max-model-len {max_model_len} exceeds the model's "
-                                    f"max_position_embeddings {max_pos}")
+            max_model_len = self.context_limit
         BlockPool.check_size(num_blocks)
         needed = request_blocks(self.kv_groups, max_model_len, bs, chunk)
         if needed > num_blocks:
