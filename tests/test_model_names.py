@@ -119,7 +119,8 @@ def test_serve_takes_a_hugging_face_id_as_vllm_does(smollm2, tmp_path):
 
 # ------------------------------------------------------------------------------ refused in seconds
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "meta-llama/Llama-3.1-8B", "Qwen/Qwen3-8B"])
-@pytest.mark.parametrize("command", [("generate", "hi", "--model"), ("serve", "--port", "0")])
+@pytest.mark.parametrize("command", [("generate", "hi", "--model"), ("serve", "--port", "0"),
+                                     ("calibrate", "--quick", "--model"), ("kv-quality", "--model")])
 def test_a_name_the_planner_knows_without_weights_says_so(name, command, smollm2):
     r = quick(*command, name)
     assert_one_line_error(r, f"the planner knows {name}", "no weights", "the engine runs smollm2-135m")
@@ -151,7 +152,8 @@ def test_a_file_that_is_no_model_says_so(tmp_path, smollm2):
     cases = [(binary, "not a text file"), (notes, "not valid JSON"), (listing, "its JSON is a list"),
              (empty, "a directory with no config.json")]
     for path, why in cases:
-        for command in (("generate", "hi", "--model"), ("serve", "--port", "0"), ("kv-bytes",)):
+        for command in (("generate", "hi", "--model"), ("serve", "--port", "0"), ("calibrate", "--quick", "--model"),
+                        ("kv-quality", "--model"), ("kv-bytes",)):
             assert_one_line_error(quick(*command, str(path)), f"{path} is not a model", why)
     missing = tmp_path / "missing"
     assert_one_line_error(quick("generate", "hi", "--model", str(missing)), f"{missing} not found")

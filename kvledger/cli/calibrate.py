@@ -65,14 +65,17 @@ def run(args: argparse.Namespace) -> int:
     from datetime import datetime, timezone
 
     from kvledger.config import EngineConfig
+    from kvledger.engine.limits import check_before_loading
+
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                          max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+                          max_model_len=2048)
+    check_before_loading(config)  # the model's name and its pool, before torch and the model load
     from kvledger.engine.llm_engine import LLMEngine
     from kvledger.engine.sampling_params import SamplingParams
     from kvledger.sim.calibrate import fit, grid, measure
     from kvledger.sim.step_model import ModelFingerprint, ModelGeometry, Profile
 
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                          max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-                          max_model_len=2048)
     engine = LLMEngine(config)
     geometry = ModelGeometry.of(engine.spec, engine.kv_cache_dtype)
     shapes = grid(args.quick, args.max_num_batched_tokens)

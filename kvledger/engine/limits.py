@@ -1,11 +1,12 @@
 """What the model's config and the flags allow, known before the model loads: how long a request
 may be (in tokens) and how large a KV pool the device holds (in bytes). Imports no torch.
 
-``generate`` and ``serve`` call :func:`check_before_loading` before torch is imported, so that a
-``--max-tokens`` or ``--max-model-len`` beyond the model's context, or a pool beyond the host's
-memory, is refused in a second; the model runner makes the same checks (:func:`context_limit`,
-:func:`check_pool_memory`) before it reads a weight, for :class:`~kvledger.LLM` and for a CUDA
-device. Once the pool is sized, the engine admits each request with :func:`check_request_length`
+``generate``, ``serve``, ``calibrate`` (before torch is imported) and :class:`~kvledger.LLM` call
+:func:`check_before_loading`, so that a name without weights, a ``--max-tokens`` or
+``--max-model-len`` beyond the model's context, or a pool beyond the host's memory, is refused in
+a second; the model runner makes the same checks (:func:`context_limit`,
+:func:`check_pool_memory`) before it reads a weight, the pool's on any device. Once the pool is
+sized, the engine admits each request with :func:`check_request_length`
 against its ``max_model_len`` (which the pool may have lowered).
 """
 

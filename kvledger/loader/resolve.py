@@ -106,7 +106,7 @@ def converted_dir(checkpoint: Checkpoint) -> Path:
 
 if __name__ == "__main__":  # set-up: ``python -m kvledger.loader.resolve --assemble-gemma3``
     if sys.argv[1:] == ["--assemble-gemma3"]:  # assemble the GGUF, then convert it once (minutes, not at run time)
-        gguf_file = assemble_gemma3()
+        assemble_gemma3()
         print(converted_dir(resolve_model("gemma-3-270m")))
     else:
         sys.exit("usage: python -m kvledger.loader.resolve --assemble-gemma3")
