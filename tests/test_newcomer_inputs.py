@@ -234,3 +234,16 @@ def test_llm_refuses_what_the_config_tells_before_loading(call, needles):
     assert proc.stdout.split()[0] in ("KVLedgerError", "ConfigError"), proc.stdout
     for needle in needles:
         assert needle in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("argv", [["generate", "hi", "--max-tokens", "1000000000000"],
+                                  ["serve", "--max-model-len", "100000", "--port", "0"],
+                                  ["generate", "hi", "--model", "llama-3.1-8b"],
+                                  ["calibrate", "--quick", "--kv-cache-memory", "1000TiB", "--device", "cpu"]])
+def test_these_refusals_never_import_torch(argv):
+    """Why they take a second: the name, the config and the arithmetic are pure Python."""
+    _needs_default_model()
+    code = (f"import sys; from kvledger.cli.main import main; rc = main({argv!r}); "
+            "print(rc, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
