@@ -26,7 +26,7 @@ import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from kvledger.errors import ConfigError, KVLedgerError
 from kvledger.spec.model_spec import ModelSpec, read_config
@@ -114,6 +114,10 @@ def _engine_runs() -> str:
     return (f"{', '.join(installed)}, " if installed else "no preset (none has weights installed), ") + ENGINE_FORMS
 
 
+NameKind = Literal["preset", "hub id", "gguf file", "config file", "directory"]
+"""The form a model name was given in."""
+
+
 @dataclass(frozen=True)
 class ModelIdentity:
     """What a model name means.
@@ -125,7 +129,7 @@ class ModelIdentity:
     """
 
     name: str
-    kind: str
+    kind: NameKind
     config_file: Path | None
     checkpoint: Checkpoint | None
     no_weights: str = ""
@@ -166,7 +170,7 @@ def resolve_name(model: str | Path) -> ModelIdentity:
                       + (f"did you mean {', '.join(close)}?" if close else hint))
 
 
-def _bundled(name: str, kind: str, config_dir: Path) -> ModelIdentity:
+def _bundled(name: str, kind: NameKind, config_dir: Path) -> ModelIdentity:
     """A bundled config (a preset, or the Hugging Face id it was copied from) and its weights, if a
     package installed them."""
     for weights in BUNDLED_WEIGHTS:
