@@ -188,4 +188,4 @@ def test_tensor_parallel_lever_and_flags():
     assert tp["flag"] == "--tensor-parallel-size 2"
     few = kvledger("advise", *DESIGN, "--max-num-seqs", "1", "--json").json()
     assert few["kv_pool_bytes"] > out["kv_pool_bytes"]  # a smaller sampler in the profiling pass
-    assert_one_line_error(kvledger("advise", *DESIGN, "-tp", "3"), "tensor-parallel size 3 cannot split")
+    assert_one_line_error(kvledger("advise", *DESIGN, "-tp", "12"), "tensor-parallel size 12 cannot split")

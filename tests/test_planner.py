@@ -221,10 +221,12 @@ def test_users_fit_in_the_pool(llama, context, util):
 
 # ------------------------------------------------------------------------------ tensor-parallel rules
 def test_tensor_parallel_must_split_the_heads(llama):
-    """vLLM: TP divides the 32 attention heads, and the 8 KV heads split (8 % TP) or replicate (TP % 8)."""
-    with pytest.raises(KVLedgerError, match="tensor-parallel size 3 cannot split") as err:
-        plan_memory(llama, get_gpu("a100-80gb"), tensor_parallel_size=3)
-    assert "sizes that do: 1, 2, 4, 8, 16, 32" in str(err.value)
+    """Up to 8 ranks take whole groups of the 8 KV heads; beyond, a KV head replicates (TP % 8 == 0)
+    if TP divides the 32 attention heads (vLLM's rule)."""
+    with pytest.raises(KVLedgerError, match="tensor-parallel size 12 cannot split") as err:
+        plan_memory(llama, get_gpu("a100-80gb"), tensor_parallel_size=12)
+    assert "sizes that do: 1, 2, 3, 4, 5, 6, 7, 8, 16, 32" in str(err.value)
+    assert plan_memory(llama, get_gpu("a100-80gb"), tensor_parallel_size=3).bytes_per_token == 2 * 32 * 3 * 128 * 2
     assert plan_memory(llama, get_gpu("a100-80gb"), tensor_parallel_size=16).bytes_per_token == 2 * 32 * 1 * 128 * 2
 
 
