@@ -86,6 +86,10 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype_name)
         self.spec = ModelSpec.from_config_dict({**self.hf_config, "torch_dtype": dtype_name}, name=self.model_name)
         self.kv_bytes = kv_bytes(self.spec, self.kv_cache_dtype, tensor_parallel_size=tp)  # raises for a bad TP
+        """One rank's Eq 2.2: the largest rank's (rank 0's), which every rank's pool is sized by."""
+        self.kv_bytes_by_rank = [kv_bytes(self.spec, self.kv_cache_dtype, tensor_parallel_size=tp, rank=r)
+                                 for r in range(tp)]
+        """Every rank's own Eq 2.2, with its own KV heads (fewer on the last ranks of an uneven split)."""
         self.kv_groups = family.kv_groups(self.hf_config)
         if len(self.kv_groups) > 1 and self.kv_cache_dtype in PER_LAYER_SCALE_DTYPES:
             raise KVLedgerError(f"--kv-cache-dtype {self.kv_cache_dtype} keeps one scale per layer, but "
@@ -101,8 +105,8 @@ class ModelRunner:
             self.model = self._load_model(family.model_class)
             self.num_blocks, self.max_model_len = self._size_pool()
             self.cache = make_kv_cache(self.kv_cache_dtype, max(len(g.layers) for g in self.kv_groups),
-                                       self.num_blocks, config.block_size, self.kv_bytes.kv_heads, self.spec.head_dim,
-                                       self.dtype, self.device)
+                                       self.num_blocks, config.block_size, self.kv_bytes_by_rank[rank].kv_heads,
+                                       self.spec.head_dim, self.dtype, self.device)
             self.model.set_rope(self.max_model_len)
             self.rank_measured_bytes = self._gather_measured_bytes()
         except BaseException:
@@ -157,7 +161,8 @@ class ModelRunner:
         of ``max_model_len`` tokens could not fit it."""
         config, bs, tp = self.config, self.config.block_size, self.config.tensor_parallel_size
         num_blocks = config.num_gpu_blocks_override or self.kv_bytes.num_pages(self._kv_cache_memory(), bs)
-        pool_bytes = self.kv_bytes.pages_bytes(num_blocks, bs) * (tp if self.device.type == "cpu" else 1)  # CPU ranks share RAM
+        ranks = self.kv_bytes_by_rank if self.device.type == "cpu" else [self.kv_bytes]  # CPU ranks share RAM
+        pool_bytes = sum(k.pages_bytes(num_blocks, bs) for k in ranks)
         free, _ = device_memory(self.device)
         if pool_bytes > free:  # checked before allocating: a pool that cannot fit would exhaust the machine
             flag = "--num-gpu-blocks-override" if config.num_gpu_blocks_override else "--kv-cache-memory"
