@@ -133,9 +133,4 @@ def run(args: argparse.Namespace) -> int:
 
 def _notes(spec: ModelSpec, kb: KVBytes) -> list[str]:
     """The spec's notes, and one for a tensor-parallel size that splits the KV heads unevenly."""
-    notes = list(spec.notes)
-    if len(set(kb.kv_heads_by_rank)) > 1:
-        notes.append(f"TP {kb.tensor_parallel_size} splits the {spec.num_kv_heads} KV heads unevenly, whole GQA "
-                     f"groups per rank ({', '.join(map(str, kb.kv_heads_by_rank))}); per rank is rank 0, the "
-                     "largest, which every rank's pool is sized by; vLLM refuses this size, kvledger's engine runs it")
-    return notes
+    return list(spec.notes) + ([kb.uneven_split_note] if kb.uneven_split_note else [])

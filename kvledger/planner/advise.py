@@ -42,7 +42,6 @@ from kvledger.planner.gpus import GPU
 from kvledger.planner.memory_wall import MemoryWall, plan_memory, sequence_blocks, users_at, verdict
 from kvledger.spec import ModelSpec
 from kvledger.spec.dtypes import QUANTIZED_KV_DTYPES
-from kvledger.spec.head_split import head_split
 from kvledger.workload.sampling import check_shared_prefix
 
 CAPACITY_BINDS_AT = 0.9
@@ -243,12 +242,9 @@ def advise(spec: ModelSpec, gpu: GPU, config: PlannerConfig | None = None, *, pr
 
 def _bigger_tensor_parallel(spec: ModelSpec, gpu: GPU, config: PlannerConfig,
                             tp: int) -> tuple[int, MemoryWall] | None:
-    """The first of 2, 4 and 8 times ``tp`` ranks that plans (its ranks split the heads evenly, as
-    vLLM requires, and the model fits), with its wall; ``None`` when none does."""
+    """The first of 2, 4 and 8 times ``tp`` ranks that plans (its ranks split the heads and the
+    model fits), with its wall; ``None`` when none does."""
     for size in (2 * tp, 4 * tp, 8 * tp):
-        split = head_split(spec.num_attention_heads, spec.num_kv_heads, size, latent=spec.is_mla)
-        if split is None or not split.even:  # kvledger's engine runs an uneven split; vLLM does not
-            continue
         try:
             return size, plan_memory(spec, gpu, config, tensor_parallel_size=size)
         except KVLedgerError:

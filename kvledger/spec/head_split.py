@@ -6,9 +6,9 @@ Counts below are heads (query or KV); ``TP`` is the tensor-parallel size.
   heads of exactly those groups (``H / H_kv`` each), so no rank needs another's K or V. When
   ``TP`` divides ``H_kv`` every rank gets ``H_kv / TP`` (vLLM's split). When it does not, the
   first ``H_kv % TP`` ranks take one KV head more than the others: SmolLM2-135M's 3 KV heads
-  at TP 2 are 2 and 1 (6 and 3 query heads). vLLM refuses such a size; kvledger's engine runs
-  it, and every rank keeps the same number of blocks, so a pool is sized by the largest rank
-  (rank 0): :attr:`HeadSplit.max_kv_heads`.
+  at TP 2 are 2 and 1 (6 and 3 query heads). vLLM refuses such a size (so the planner's vLLM
+  memory wall does, ``even=True``); kvledger's engine runs it, and every rank keeps the same
+  number of blocks, so a pool is sized by the largest rank (rank 0): :attr:`HeadSplit.max_kv_heads`.
 * **TP > H_kv: replicated KV heads** (vLLM's rule), when ``TP`` is a multiple of ``H_kv`` and
   divides ``H``: each rank holds one KV head, copied to ``TP / H_kv`` ranks, and ``H / TP`` of
   its query heads (Gemma-3 270M's 1 KV head at TP 2).
@@ -82,10 +82,13 @@ def head_split(num_heads: int, num_kv_heads: int, tp: int, latent: bool = False)
                      tuple(RankHeads(r * q, q, r // copies, 1) for r in range(tp)))
 
 
-def split_heads(num_heads: int, num_kv_heads: int, tp: int, model: str, latent: bool = False) -> HeadSplit:
-    """:func:`head_split`, or a one-line KVLedgerError naming the sizes that work for ``model``."""
+def split_heads(num_heads: int, num_kv_heads: int, tp: int, model: str, latent: bool = False,
+                even: bool = False) -> HeadSplit:
+    """:func:`head_split`, or a one-line KVLedgerError naming the sizes that work for ``model``.
+    ``even``: only a split that gives every rank as many heads as every other, the sizes vLLM
+    runs (the planner's memory wall is vLLM's); an uneven one is refused naming both lists."""
     split = head_split(num_heads, num_kv_heads, tp, latent)
-    if split is not None:
+    if split is not None and (split.even or not even):
         return split
     if latent:
         heads, rule = f"{num_heads} attention heads", "the attention heads must divide evenly"
@@ -93,6 +96,12 @@ def split_heads(num_heads: int, num_kv_heads: int, tp: int, model: str, latent: 
         heads = f"{num_heads} attention heads and {num_kv_heads} KV heads"
         rule = ("a rank takes whole KV-head groups, or the size is a multiple of the KV heads that divides "
                 "the attention heads")
-    valid = ", ".join(str(n) for n in range(1, num_heads + 1) if head_split(num_heads, num_kv_heads, n, latent))
-    raise KVLedgerError(f"tensor-parallel size {tp} cannot split the {heads} of {model} ({rule}); "
-                        f"sizes that do: {valid}")
+    sizes = [n for n in range(1, num_heads + 1) if head_split(num_heads, num_kv_heads, n, latent)]
+    if not even:
+        raise KVLedgerError(f"tensor-parallel size {tp} cannot split the {heads} of {model} ({rule}); "
+                            f"sizes that do: {', '.join(map(str, sizes))}")
+    vllm = [n for n in sizes if head_split(num_heads, num_kv_heads, n, latent).even]
+    engine = [n for n in sizes if n not in vllm]
+    also = f"; kvledger's engine also runs {', '.join(map(str, engine))} (whole KV-head groups, unevenly)" if engine else ""
+    raise KVLedgerError(f"tensor-parallel size {tp} cannot split the {heads} of {model} evenly, as vLLM requires; "
+                        f"sizes that do: {', '.join(map(str, vllm))}{also}")

@@ -124,6 +124,17 @@ class KVBytes:
         per_layer = (self.bytes_per_token + self.scale_bytes_per_token) // self.num_layers
         return per_layer * (self.page_layers or self.num_layers)
 
+    @property
+    def uneven_split_note(self) -> str | None:
+        """A line saying the ranks hold unequal KV heads and which the per-rank figures are; None
+        when every rank holds as many as every other."""
+        heads = self.kv_heads_by_rank
+        if len(set(heads)) < 2:
+            return None
+        return (f"TP {self.tensor_parallel_size} splits the {sum(heads)} KV heads unevenly, whole GQA groups per "
+                f"rank ({', '.join(map(str, heads))}); per rank is rank 0, the largest, which every rank's pool is "
+                "sized by; vLLM refuses this size, kvledger's engine runs it")
+
     def num_blocks(self, pool_bytes: int, block_size: int) -> int:
         """Blocks of ``block_size`` tokens that a pool of ``pool_bytes`` holds, scales included.
         The one block arithmetic of the project: the planner and the engine both size with it."""
