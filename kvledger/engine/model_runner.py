@@ -79,7 +79,7 @@ class ModelRunner:
         self.config = config
         self.hf_config = read_config(self.model_dir)
         tp = config.tensor_parallel_size
-        family = family_for(self.hf_config, self.model_name, tp)
+        family = family_for(self.hf_config, self.model_name)
         dtype_name = "float32" if config.dtype == "auto" else config.dtype
         self.dtype = torch_dtype(dtype_name)
         # Eq 2.2 for one token (on one rank), from the model spec (pure Python), in the cache's dtype.
