@@ -102,6 +102,6 @@ def split_heads(num_heads: int, num_kv_heads: int, tp: int, model: str, latent: 
                             f"sizes that do: {', '.join(map(str, sizes))}")
     vllm = [n for n in sizes if head_split(num_heads, num_kv_heads, n, latent).even]
     engine = [n for n in sizes if n not in vllm]
-    also = f"; kvledger's engine also runs {', '.join(map(str, engine))} (whole KV-head groups, unevenly)" if engine else ""
+    also = f"; kvledger's engine also runs {', '.join(map(str, engine))} (whole KV-head groups, unevenly)"
     raise KVLedgerError(f"tensor-parallel size {tp} cannot split the {heads} of {model} evenly, as vLLM requires; "
-                        f"sizes that do: {', '.join(map(str, vllm))}{also}")
+                        f"sizes that do: {', '.join(map(str, vllm))}{also if engine else ''}")
