@@ -97,7 +97,8 @@ class EngineConfig:
     tokenizer: str | None = None
     tensor_parallel_size: int = 1
     """Ranks the model is split over (processes, one torch.distributed group; see
-    :mod:`kvledger.distributed`). Each rank holds ``max(1, H_kv / N)`` KV heads and its own cache."""
+    :mod:`kvledger.distributed`). Each rank holds the heads :mod:`kvledger.spec.head_split` gives it
+    (whole GQA groups, or a KV head copied when N exceeds ``H_kv``) and its own cache."""
     enforce_eager: bool = False
     """vLLM's switch that keeps the model step out of ``torch.compile``: True always runs it eagerly.
     False compiles it only where the environment asks for it with ``KVLEDGER_COMPILE=1``

@@ -189,3 +189,13 @@ def test_tensor_parallel_lever_and_flags():
     few = kvledger("advise", *DESIGN, "--max-num-seqs", "1", "--json").json()
     assert few["kv_pool_bytes"] > out["kv_pool_bytes"]  # a smaller sampler in the profiling pass
     assert_one_line_error(kvledger("advise", *DESIGN, "-tp", "3"), "tensor-parallel size 3 cannot split")
+
+
+def test_tensor_parallel_lever_offers_only_sizes_vllm_runs():
+    """SmolLM2's 3 KV heads split over 2 ranks only unevenly (kvledger's engine runs it, vLLM does
+    not), and 4 and 8 ranks not at all: no tensor-parallel lever, and TP 2 is refused."""
+    args = ("smollm2-135m", "--gpu", "l4", "--prompt-tokens", "6144", "--output-tokens", "400", "--users", "40",
+            "--target-users", "20000", "--json")
+    out = kvledger("advise", *args).json()
+    assert "tensor-parallel" not in [lv["name"] for lv in out["levers"]]
+    assert_one_line_error(kvledger("advise", *args, "-tp", "2"), "evenly, as vLLM requires; sizes that do: 1, 3, 9")

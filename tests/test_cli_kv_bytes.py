@@ -40,6 +40,18 @@ def test_tensor_parallel_is_per_rank():
     assert out["bytes_per_token_all_ranks"] == 131_072
 
 
+def test_smollm2_at_tp2_prints_the_largest_rank_and_says_the_split_is_uneven():
+    """The bundled model's 3 KV heads at TP 2: 2 and 1 per rank, the per-rank figure rank 0's."""
+    out = kvledger("kv-bytes", "HuggingFaceTB/SmolLM2-135M-Instruct", "--tensor-parallel-size", "2", "--json").json()
+    assert out["kv_heads_by_rank"] == [2, 1] and out["kv_heads"] == 2
+    assert out["bytes_per_token"] == 15_360 and out["bytes_per_token_all_ranks"] == 23_040
+    table = kvledger("kv-bytes", "smollm2-135m", "-tp", "2")
+    assert table.returncode == 0, table.stderr
+    assert "bytes per token per rank (TP 2)   15,360" in table.stdout
+    assert "note: TP 2 splits the 3 KV heads unevenly, whole GQA groups per rank (2, 1)" in table.stdout
+    assert "unevenly" not in kvledger("kv-bytes", "smollm2-135m", "-tp", "3").stdout
+
+
 def test_config_path_and_directory(tmp_path):
     from kvledger.spec import presets
 
@@ -114,8 +126,9 @@ def test_heads_and_kv_heads_overrides_apply_and_are_checked():
     (("deepseek-v3", "--kv-heads", "8"), ("--kv-heads does not apply", "MLA")),
     (("gpt-oss-20b", "--layers", "30"), ("--layers 30", "layer_types has 24 entries")),
     (("--layers", "4", "--heads", "32", "--kv-heads", "3", "--head-dim", "64"), ("not a multiple",)),
-    (("llama-3.1-8b", "-tp", "3"), ("tensor-parallel size 3 cannot split", "1, 2, 4, 8, 16, 32")),
+    (("llama-3.1-8b", "-tp", "12"), ("tensor-parallel size 12 cannot split", "1, 2, 3, 4, 5, 6, 7, 8, 16, 32")),
     (("deepseek-v3", "-tp", "3"), ("128 attention heads",)),
+    (("smollm2-135m", "-tp", "4"), ("tensor-parallel size 4 cannot split", "sizes that do: 1, 2, 3, 9")),
 ])
 def test_overrides_that_cannot_apply_are_one_line(args, needles):
     assert_one_line_error(kvledger("kv-bytes", *args), *needles)

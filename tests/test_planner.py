@@ -172,6 +172,21 @@ def test_weights_larger_than_card_names_a_tp_that_fits():
     assert plan_memory(spec, get_gpu("a100-80gb"), weights_dtype="int4").num_blocks > 0
 
 
+def test_the_tp_that_fits_is_never_an_uneven_split():
+    """Llama-3.1-70B's layers with 48 query heads over 6 KV heads: 4 ranks would hold the weights,
+    but split the KV heads 2, 2, 1, 1, which vLLM refuses; 8 to 64 split them not at all."""
+    import json
+
+    from kvledger.spec import ModelSpec, presets
+
+    config = json.loads((presets()["llama-3.1-70b"] / "config.json").read_text())
+    spec = ModelSpec.from_config_dict({**config, "num_attention_heads": 48, "num_key_value_heads": 6, "head_dim": 128})
+    with pytest.raises(KVLedgerError, match="no tensor-parallel size up to 64 fits"):
+        plan_memory(spec, get_gpu("a100-40gb"), tensor_parallel_size=2)
+    with pytest.raises(KVLedgerError, match="kvledger's engine also runs 4, 5"):
+        plan_memory(spec, get_gpu("a100-40gb"), tensor_parallel_size=4)
+
+
 def test_sliding_window_sequences_cost_less():
     spec = load_model_spec("gemma-2-9b")
     wall = plan_memory(spec, get_gpu("h100-80gb"))
@@ -224,7 +239,7 @@ def test_tensor_parallel_must_split_the_heads(llama):
     """vLLM: TP divides the 32 attention heads, and the 8 KV heads split (8 % TP) or replicate (TP % 8)."""
     with pytest.raises(KVLedgerError, match="tensor-parallel size 3 cannot split") as err:
         plan_memory(llama, get_gpu("a100-80gb"), tensor_parallel_size=3)
-    assert "sizes that do: 1, 2, 4, 8, 16, 32" in str(err.value)
+    assert "sizes that do: 1, 2, 4, 8, 16, 32; kvledger's engine also runs 3, 5, 6, 7" in str(err.value)
     assert plan_memory(llama, get_gpu("a100-80gb"), tensor_parallel_size=16).bytes_per_token == 2 * 32 * 1 * 128 * 2
 
 

@@ -213,3 +213,13 @@ def test_without_max_model_len_the_verdict_holds_the_models_context():
     assert out["verdict"] == "does not fit" and out["verdict_term"] == "max-model-len"
     assert f"--max-model-len {out['max_fitting_length']}" in out["verdict_advice"]
     assert plan("llama-3.1-8b", "--gpu", "l4", "--max-model-len", "8192")["verdict"] == "fits"  # 0.57 GiB left, 0.5 needed
+
+
+def test_plan_refuses_an_uneven_head_split_that_kv_bytes_and_the_engine_run():
+    """SmolLM2's 3 KV heads at TP 2 (2 and 1): vLLM refuses the size, so its memory wall does,
+    naming the sizes vLLM runs and the one kvledger's engine adds; kv-bytes prints rank 0's bytes."""
+    assert_one_line_error(kvledger("plan", "smollm2-135m", "--gpu", "l4", "-tp", "2"),
+                          "tensor-parallel size 2 cannot split the 9 attention heads and 3 KV heads of smollm2-135m "
+                          "evenly, as vLLM requires; sizes that do: 1, 3, 9; kvledger's engine also runs 2")
+    assert plan("smollm2-135m", "--gpu", "l4", "-tp", "3")["bytes_per_token"] == 2 * 30 * 1 * 64 * 2
+    assert kvledger("kv-bytes", "smollm2-135m", "-tp", "2", "--json").json()["bytes_per_token"] == 2 * 30 * 2 * 64 * 2

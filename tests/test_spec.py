@@ -9,6 +9,7 @@ import pytest
 
 from kvledger.errors import ConfigError, KVLedgerError
 from kvledger.spec import ModelSpec, count_params, kv_bytes, load_model_spec, presets, weights_bytes
+from kvledger.spec.head_split import RankHeads, head_split, split_heads
 
 GiB = 1024**3
 
@@ -147,6 +148,71 @@ def test_mla_latent_replicated_on_every_rank(tp):
     kb = kv_bytes(load_model_spec("deepseek-v3"), tensor_parallel_size=tp)
     assert kb.bytes_per_token == 70_272
     assert kb.bytes_per_token_all_ranks == 70_272 * tp
+
+
+def test_smollm2_at_tp2_splits_whole_gqa_groups_unevenly():
+    """9 query heads over 3 KV heads: rank 0 takes KV heads 0-1 and their 6 query heads, rank 1
+    KV head 2 and its 3; rank 0, the largest, is the per-rank figure every rank's pool is sized by."""
+    split = split_heads(9, 3, 2, "smollm2")
+    assert split.kind == "groups" and not split.even and split.max_kv_heads == 2
+    assert split.ranks == (RankHeads(q_start=0, num_heads=6, kv_start=0, num_kv_heads=2),
+                           RankHeads(q_start=6, num_heads=3, kv_start=2, num_kv_heads=1))
+    spec = load_model_spec("smollm2-135m")
+    kb = kv_bytes(spec, tensor_parallel_size=2, tokens=100)
+    assert kb.kv_heads_by_rank == (2, 1) and kb.kv_heads == 2 and kb.rank is None
+    assert kb.bytes_per_token == 2 * 30 * 2 * 64 * 2 == 15_360
+    assert kv_bytes(spec, tensor_parallel_size=2, rank=1).bytes_per_token == 2 * 30 * 1 * 64 * 2
+    one = kv_bytes(spec, tokens=100)
+    assert kb.bytes_per_token_all_ranks == one.bytes_per_token == 23_040  # no head is copied
+    assert kb.total_bytes_all_ranks == one.total_bytes == 100 * 23_040
+
+
+def test_gemma3_270m_at_tp2_replicates_its_one_kv_head():
+    split = split_heads(4, 1, 2, "gemma")
+    assert split.kind == "replicated" and split.even
+    assert split.ranks == (RankHeads(0, 2, 0, 1), RankHeads(2, 2, 0, 1))
+    spec = load_model_spec("gemma-3-270m")
+    kb = kv_bytes(spec, tensor_parallel_size=2)
+    one = kv_bytes(spec)
+    assert kb.kv_heads_by_rank == (1, 1) and kb.bytes_per_token == one.bytes_per_token == 2 * 18 * 256 * 2
+    assert kb.bytes_per_token_all_ranks == 2 * one.bytes_per_token  # the head is on both ranks
+
+
+def test_tp_beyond_the_kv_heads_replicates_when_it_divides_the_query_heads():
+    """Llama-3.1-8B at TP 16: each of the 8 KV heads on 2 ranks, 2 query heads of its group on each."""
+    split = split_heads(32, 8, 16, "llama")
+    assert split.kind == "replicated"
+    assert [(r.q_start, r.num_heads, r.kv_start, r.num_kv_heads) for r in split.ranks] == \
+        [(2 * r, 2, r // 2, 1) for r in range(16)]
+
+
+@pytest.mark.parametrize("tp", [4, 5, 6, 7, 8])
+def test_sizes_that_cannot_split_are_refused_naming_those_that_do(tp):
+    """SmolLM2: beyond 3 KV heads only a multiple of 3 dividing 9 works (6 divides no 9 heads)."""
+    assert head_split(9, 3, tp) is None
+    with pytest.raises(KVLedgerError, match=rf"tensor-parallel size {tp} cannot split the 9 attention heads and "
+                                            r"3 KV heads of smollm2-135m .*; sizes that do: 1, 2, 3, 9$"):
+        kv_bytes(load_model_spec("smollm2-135m"), tensor_parallel_size=tp)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(h_kv * g, h_kv) for h_kv in range(1, 9) for g in (1, 2, 3, 4)])
+def test_every_split_gives_each_query_head_once_beside_its_kv_head(heads, kv_heads):
+    """Over every size that splits: each query head on exactly one rank, with the KV head of its
+    group on that rank; each KV head on one rank (or TP / H_kv when replicated); rank 0 the largest."""
+    group = heads // kv_heads
+    sizes = [tp for tp in range(1, 2 * heads + 1) if head_split(heads, kv_heads, tp)]
+    assert sizes[:kv_heads] == list(range(1, kv_heads + 1))  # whole groups: every size up to H_kv
+    for tp in sizes:
+        split = head_split(heads, kv_heads, tp)
+        q_owner = [r for r, h in enumerate(split.ranks) for _ in range(h.num_heads)]
+        assert sorted(q for h in split.ranks for q in range(h.q_start, h.q_start + h.num_heads)) == list(range(heads))
+        assert q_owner == sorted(q_owner)  # contiguous, rank after rank
+        for h in split.ranks:
+            kv = range(h.kv_start, h.kv_start + h.num_kv_heads)
+            assert {q // group for q in range(h.q_start, h.q_start + h.num_heads)} == set(kv)
+        kv_copies = [sum(h.kv_start <= k < h.kv_start + h.num_kv_heads for h in split.ranks) for k in range(kv_heads)]
+        assert kv_copies == [max(1, tp // kv_heads)] * kv_heads
+        assert split.ranks[0].num_kv_heads == split.max_kv_heads
 
 
 # ---------------------------------------------------------------- weights

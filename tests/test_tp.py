@@ -1,10 +1,14 @@
 """Tensor parallelism: TP N against TP 1 step by step, per-rank cache bytes, a rank that dies.
 
-SmolLM2-135M at TP 3 (9 query heads, 3 KV heads: one per rank) runs in lockstep beside a TP-1
-engine of the same configuration: every step's logits within 5e-6 of the largest one, the same greedy tokens, the
-same preemptions (the pool is too small for the whole batch). A
-random-weight Llama with one KV head runs at TP 2 (the head replicated on both ranks) through the
-real CLI. Each rank's cache tensors weigh what ``kv-bytes --tensor-parallel-size N`` prints.
+SmolLM2-135M at TP 3 (9 query heads, 3 KV heads: one per rank) and at TP 2 (whole GQA groups,
+unevenly: 2 KV heads and 6 query heads on rank 0, 1 and 3 on rank 1) runs in lockstep beside a
+TP-1 engine of the same configuration: every step's logits within 5e-6 of the largest one, the
+same greedy tokens, the same preemptions (the pool is too small for the whole batch). Gemma-3
+270M (4 query heads, 1 KV head) runs at TP 2 through the real CLI, its KV head replicated on
+both ranks, sliding-window layers past their window, and gives TP 1's tokens; so does a
+random-weight Llama with one KV head. Each rank's cache tensors weigh what
+``kv-bytes --tensor-parallel-size N`` prints: the per-rank figure (rank 0's, the largest), the
+smaller rank of an uneven split its own heads' share.
 """
 
 from __future__ import annotations
@@ -52,6 +56,35 @@ def _lockstep(a, b, prompts: list[list[int]], max_tokens: int) -> tuple[float, f
         scale = max(scale, la.abs().max().item())
     assert not b.has_unfinished_requests()
     return worst, scale, steps
+
+
+@pytest.mark.slow
+def test_smollm2_tp2_splits_the_kv_heads_unevenly_matches_tp1_and_kv_bytes():
+    """First in the module: a process runs one tensor-parallel group at a time (the TP-3 fixture's
+    comes after this one is shut down)."""
+    from kvledger.config import EngineConfig
+    from kvledger.engine.llm_engine import LLMEngine
+
+    tp1 = LLMEngine(EngineConfig(**ENGINE_ARGS))
+    tp2 = LLMEngine(EngineConfig(**ENGINE_ARGS, tensor_parallel_size=2))
+    try:
+        assert tp2.runner.cache.num_kv_heads == 2  # rank 0: KV heads 0 and 1 (rank 1 holds head 2)
+        prompts = [tp1.tokenizer.encode(p) for p in PROMPTS]
+        worst, scale, steps = _lockstep(tp1, tp2, prompts, NEW_TOKENS)
+        assert steps >= NEW_TOKENS
+        assert worst <= 5e-6 * scale, f"per-step logits differ by up to {worst:.2e} (largest logit {scale:.1f})"
+        assert tp2.scheduler.num_preemptions == tp1.scheduler.num_preemptions > 0
+        ledger = tp2.ledger()
+        cli = kvledger("kv-bytes", "HuggingFaceTB/SmolLM2-135M-Instruct", "--tokens",
+                       str(ledger.num_blocks * ledger.block_size), "--tensor-parallel-size", "2",
+                       "--kv-cache-dtype", "float32", "--json")
+        assert cli.returncode == 0, cli.stderr
+        per_rank, all_ranks = cli.json()["total_bytes"], cli.json()["total_bytes_all_ranks"]
+        assert ledger.measured_bytes_by_rank == [per_rank, per_rank // 2]  # rank 1: one KV head of rank 0's two
+        assert ledger.bytes_per_rank == per_rank
+        assert ledger.measured_bytes == ledger.predicted_bytes == all_ranks == tp1.ledger().measured_bytes
+    finally:
+        tp2.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +171,29 @@ def test_one_kv_head_replicated_at_tp2_through_the_cli(one_kv_head_llama):
     kv = two["kv"]
     assert kv["ranks"] == 2 and kv["bytes_per_rank"] == per_rank == tp1.ledger().measured_bytes  # the head is copied
     assert kv["measured_bytes_by_rank"] == [per_rank, per_rank] and kv["measured_bytes"] == 2 * per_rank
+
+
+@pytest.mark.slow
+def test_gemma3_tp2_replicates_its_kv_head_and_matches_tp1_through_the_cli():
+    """A 700-odd-token prompt: the sliding layers (window 512) drop blocks on both ranks."""
+    prompt = " ".join(f"Note {i}: the heron crossed the river {i % 7} times." for i in range(60))
+    args = ("generate", prompt, "--model", "gemma-3-270m", "--max-tokens", "16", "--ignore-eos",
+            "--kv-cache-memory", "64MiB", "--block-size", "16", "--json")
+    runs = {tp: kvledger(*args, "--tensor-parallel-size", str(tp)) for tp in (1, 2)}
+    for tp, run in runs.items():
+        assert run.returncode == 0, (tp, run.stderr)
+    one, two = runs[1].json(), runs[2].json()
+    assert one["prompt_tokens"] > 512
+    assert two["token_ids"] == one["token_ids"] and len(two["token_ids"]) == 16
+    cli = kvledger("kv-bytes", "gemma-3-270m", "--tensor-parallel-size", "2", "--kv-cache-dtype", "float32", "--json")
+    assert cli.returncode == 0, cli.stderr
+    kb = cli.json()
+    assert kb["kv_heads_by_rank"] == [1, 1]
+    page = 16 * kb["bytes_per_token"] // kb["num_layers"] * kb["group_layers"]  # a block of one group's 3 layers
+    kv = two["kv"]
+    assert kv["num_blocks"] == one["kv"]["num_blocks"]  # the same 64 MiB per rank, the same bytes per rank
+    assert kv["measured_bytes_by_rank"] == [kv["num_blocks"] * page] * 2 == [one["kv"]["measured_bytes"]] * 2
+    assert kv["measured_bytes"] == kv["predicted_bytes"] == 2 * one["kv"]["measured_bytes"]  # the head is copied
 
 
 def test_a_size_that_cannot_split_the_heads_is_refused_before_any_rank_starts(one_kv_head_llama):

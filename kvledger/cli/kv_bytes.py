@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from kvledger.cli.common import positive_int, print_json, token_count
 from kvledger.cli.flags import add_block_size, add_kv_cache_dtype, add_mamba_ssm_cache_dtype, add_tensor_parallel_size
 from kvledger.config import CUDA_BLOCK_SIZE
+
+if TYPE_CHECKING:
+    from kvledger.spec import KVBytes, ModelSpec
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -96,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                   tensor_parallel_size=args.tensor_parallel_size, block_size=args.block_size,
                   mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
     if args.json:
-        print_json({**asdict(kb), "attention": spec.attention_kind, "notes": list(spec.notes)})
+        print_json({**asdict(kb), "attention": spec.attention_kind, "notes": _notes(spec, kb)})
         return 0
     print(spec.describe())
     print(tabulate([(sym, meaning, f"{value:,}") for sym, meaning, value, _ in kb.terms()],
@@ -126,6 +130,11 @@ def run(args: argparse.Namespace) -> int:
         rows.append(("total, all ranks", f"{kb.total_bytes_all_ranks:,}", format_bytes(kb.total_bytes_all_ranks)))
     print()
     print(tabulate(rows, headers=["", "bytes", "binary units"], colalign=("left", "right", "right")))
-    for note in spec.notes:
+    for note in _notes(spec, kb):
         print(f"note: {note}")
     return 0
+
+
+def _notes(spec: ModelSpec, kb: KVBytes) -> list[str]:
+    """The spec's notes, and one for a tensor-parallel size that splits the KV heads unevenly."""
+    return list(spec.notes) + ([kb.uneven_split_note] if kb.uneven_split_note else [])

@@ -68,22 +68,27 @@ def check_request_length(prompt_tokens: int, max_tokens: int, max_model_len: int
                         f"{max_model_len:,}{where}; {fix}")
 
 
-def kv_layout(config: EngineConfig, hf_config: dict[str, Any], model_name: str) -> tuple[ModelSpec, str, KVBytes]:
-    """(the model's spec in the engine's dtype, the cache's dtype, Eq 2.2 for one token on one rank):
-    the arithmetic of the pool, from the config alone. Raises for a tensor-parallel size the model's
-    heads do not divide."""
+def kv_layout(config: EngineConfig, hf_config: dict[str, Any], model_name: str
+              ) -> tuple[ModelSpec, str, list[KVBytes]]:
+    """(the model's spec in the engine's dtype, the cache's dtype, Eq 2.2 for one token on each
+    tensor-parallel rank): the arithmetic of the pool, from the config alone. Rank 0's is the
+    largest (an uneven head split gives the first ranks one KV head more), and every rank's pool
+    is sized by it. Raises for a tensor-parallel size the model's heads cannot be split over."""
     dtype_name = "float32" if config.dtype == "auto" else config.dtype
     kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype_name)
     spec = ModelSpec.from_config_dict({**hf_config, "torch_dtype": dtype_name}, name=model_name)
-    return spec, kv_cache_dtype, kv_bytes(spec, kv_cache_dtype, tensor_parallel_size=config.tensor_parallel_size)
+    tp = config.tensor_parallel_size
+    by_rank = [kv_bytes(spec, kv_cache_dtype, tensor_parallel_size=tp, rank=r) for r in range(tp)]
+    return spec, kv_cache_dtype, by_rank
 
 
-def check_pool_memory(config: EngineConfig, kv: KVBytes, num_blocks: int, block_size: int, device_type: str,
-                      free_bytes: int) -> None:
-    """Refuse a pool of ``num_blocks`` blocks of ``block_size`` tokens (every rank's, on a CPU,
-    where the ranks share the host's RAM) that needs more than the ``free_bytes`` the device has."""
-    ranks = config.tensor_parallel_size if device_type == "cpu" else 1
-    pool_bytes = kv.pages_bytes(num_blocks, block_size) * ranks
+def check_pool_memory(config: EngineConfig, kv_by_rank: list[KVBytes], num_blocks: int, block_size: int,
+                      device_type: str, free_bytes: int) -> None:
+    """Refuse a pool of ``num_blocks`` blocks of ``block_size`` tokens that needs more than the
+    ``free_bytes`` the device has: every rank's pool on a CPU, where the ranks share the host's
+    RAM, rank 0's (the largest) on a GPU of its own."""
+    ranks = kv_by_rank if device_type == "cpu" else kv_by_rank[:1]
+    pool_bytes = sum(kv.pages_bytes(num_blocks, block_size) for kv in ranks)
     if pool_bytes > free_bytes:
         flag = "--num-gpu-blocks-override" if config.num_gpu_blocks_override else "--kv-cache-memory"
         raise KVLedgerError(f"the KV pool of {num_blocks:,} blocks needs {format_bytes(pool_bytes)} but the "
@@ -112,7 +117,8 @@ def check_before_loading(config: EngineConfig, max_tokens: int | None = None, fl
         check_request_length(1, max_tokens, limit.tokens, prompt_exact=False, flag=flag, source=limit.source)
     on_cpu = config.device == "cpu" or (config.device == "auto" and not cuda_driver_present())
     if on_cpu and (config.num_gpu_blocks_override is not None or config.kv_cache_memory is not None):
-        _, _, kv = kv_layout(config, hf_config, checkpoint.name)
+        _, _, kv_by_rank = kv_layout(config, hf_config, checkpoint.name)
         block_size = config.block_size or default_block_size("cpu")
-        num_blocks = config.num_gpu_blocks_override or kv.num_pages(int(config.kv_cache_memory), block_size)
-        check_pool_memory(config, kv, num_blocks, block_size, "cpu", available_ram_bytes())
+        num_blocks = (config.num_gpu_blocks_override
+                      or kv_by_rank[0].num_pages(int(config.kv_cache_memory), block_size))
+        check_pool_memory(config, kv_by_rank, num_blocks, block_size, "cpu", available_ram_bytes())

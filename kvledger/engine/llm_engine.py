@@ -333,20 +333,20 @@ class LLMEngine:
         ranks = self.tensor_parallel_size
         rank_bytes = self.runner.rank_measured_bytes
         stats = self.kv_manager.stats
-        kvb = self.kv_bytes
-        predicted = kvb.pages_bytes(self.num_blocks, bs)  # per rank
+        kvb, by_rank = self.kv_bytes, self.runner.kv_bytes_by_rank  # each rank with its own KV heads
+        predicted = sum(k.pages_bytes(self.num_blocks, bs) for k in by_rank)
         group_layers = max(len(g.layers) for g in self.kv_groups)
-        element_bytes = self.num_blocks * bs * (self.bytes_per_token // kvb.num_layers) * group_layers
+        element_bytes = self.num_blocks * bs * group_layers * sum(k.bytes_per_token // k.num_layers for k in by_rank)
         return KVLedger(
             num_blocks=self.num_blocks, block_size=bs, blocks_allocated=allocated,
             blocks_allocated_peak=self.blocks_allocated_peak, blocks_cached_free=self.pool.num_cached_free_blocks,
             tokens_used=tokens_used, waste_tokens=allocated * bs - tokens_used,
             prefix_cache_queries=stats.queries, prefix_cache_hits=stats.hits,
             num_preemptions=self.scheduler.num_preemptions, num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting), bytes_per_token=self.bytes_per_token * ranks,
-            predicted_bytes=predicted * ranks, measured_bytes=sum(rank_bytes),
-            kv_cache_dtype=self.kv_cache_dtype, scale_bytes_per_token=kvb.scale_bytes_per_token * ranks,
-            scale_bytes=(predicted - element_bytes) * ranks, bytes_per_block=kvb.page_bytes(bs),
+            num_waiting=len(self.scheduler.waiting), bytes_per_token=kvb.bytes_per_token_all_ranks,
+            predicted_bytes=predicted, measured_bytes=sum(rank_bytes),
+            kv_cache_dtype=self.kv_cache_dtype, scale_bytes_per_token=sum(k.scale_bytes_per_token for k in by_rank),
+            scale_bytes=predicted - element_bytes, bytes_per_block=kvb.page_bytes(bs),
             ranks=ranks, bytes_per_rank=rank_bytes[0], measured_bytes_by_rank=list(rank_bytes),
             groups=self._group_ledgers(),
             request_bytes={r.request_id: self.request_bytes(r.request_id) for r in self.scheduler.running},

@@ -81,10 +81,13 @@ class ModelRunner:
         self.context_limit = context_limit(config, self.hf_config, self.model_name).tokens
         """The longest request the config and flags allow, in tokens (the pool may lower it)."""
         tp = config.tensor_parallel_size
-        family = family_for(self.hf_config, self.model_name, tp)
+        family = family_for(self.hf_config, self.model_name)
         self.dtype = torch_dtype("float32" if config.dtype == "auto" else config.dtype)
-        # Eq 2.2 for one token (on one rank), from the model spec (pure Python), in the cache's dtype.
-        self.spec, self.kv_cache_dtype, self.kv_bytes = kv_layout(config, self.hf_config, self.model_name)
+        # Eq 2.2 for one token on each rank, from the model spec (pure Python), in the cache's dtype.
+        self.spec, self.kv_cache_dtype, self.kv_bytes_by_rank = kv_layout(config, self.hf_config, self.model_name)
+        """Every rank's own Eq 2.2, with its own KV heads (fewer on the last ranks of an uneven split)."""
+        self.kv_bytes = self.kv_bytes_by_rank[0]
+        """One rank's Eq 2.2: the largest rank's (rank 0's), which every rank's pool is sized by."""
         self.kv_groups = family.kv_groups(self.hf_config)
         if len(self.kv_groups) > 1 and self.kv_cache_dtype in PER_LAYER_SCALE_DTYPES:
             raise KVLedgerError(f"--kv-cache-dtype {self.kv_cache_dtype} keeps one scale per layer, but "
@@ -100,8 +103,8 @@ class ModelRunner:
             self.model = self._load_model(family.model_class)
             self.num_blocks, self.max_model_len = self._size_pool()
             self.cache = make_kv_cache(self.kv_cache_dtype, max(len(g.layers) for g in self.kv_groups),
-                                       self.num_blocks, config.block_size, self.kv_bytes.kv_heads, self.spec.head_dim,
-                                       self.dtype, self.device)
+                                       self.num_blocks, config.block_size, self.kv_bytes_by_rank[rank].kv_heads,
+                                       self.spec.head_dim, self.dtype, self.device)
             self.model.set_rope(self.max_model_len)
             self.rank_measured_bytes = self._gather_measured_bytes()
         except BaseException:
@@ -157,7 +160,8 @@ class ModelRunner:
         config, bs = self.config, self.config.block_size
         num_blocks = config.num_gpu_blocks_override or self.kv_bytes.num_pages(self._kv_cache_memory(), bs)
         # checked before allocating: a pool that cannot fit would exhaust the machine
-        check_pool_memory(config, self.kv_bytes, num_blocks, bs, self.device.type, device_memory(self.device)[0])
+        check_pool_memory(config, self.kv_bytes_by_rank, num_blocks, bs, self.device.type,
+                          device_memory(self.device)[0])
         chunk = config.max_num_batched_tokens
         if config.max_model_len is None:
             max_model_len = longest_fitting(self.kv_groups, self.context_limit, num_blocks, bs, chunk)

@@ -68,8 +68,10 @@ class KVLedger:
     ``predicted_bytes`` = ``bytes_per_token * num_blocks * block_size`` plus ``scale_bytes``
     (8-bit caches: ``scale_bytes_per_token`` per slot for int8, per-layer scales for fp8),
     ``measured_bytes`` of the real cache tensors, scales included. Under tensor parallelism
-    (``ranks`` > 1) the byte fields are summed over the ranks, ``bytes_per_rank`` is one
-    rank's measured cache bytes (rank 0's; ``measured_bytes_by_rank`` lists every rank's).
+    (``ranks`` > 1) the byte fields are summed over the ranks, each with its own KV heads
+    (fewer on the last ranks when the heads split unevenly), ``bytes_per_rank`` is rank 0's
+    measured cache bytes, the largest rank's (``measured_bytes_by_rank`` lists every rank's);
+    ``bytes_per_block`` is rank 0's.
 
     A model with several KV-cache groups (sliding and full layers) pages its pool in blocks of
     one group's layers: ``bytes_per_block`` is such a block (``bytes_per_token * block_size`` for

@@ -1,5 +1,5 @@
 """Tensor-parallel projections: column-parallel (output rows split), row-parallel (input columns
-split, one all-reduce), and the head-aware q/k/v split.
+split, one all-reduce), and the head-aware q/k/v split (:mod:`kvledger.spec.head_split`).
 
 Each class is a :class:`~kvledger.layers.linear.Linear` holding only this rank's slice, so the
 prepacked CPU path applies to the slice unchanged. ``shard(pieces)`` turns the checkpoint's
@@ -19,6 +19,7 @@ import torch
 from kvledger.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from kvledger.errors import KVLedgerError
 from kvledger.layers.linear import Linear, linear
+from kvledger.spec.head_split import split_heads
 
 
 def _divide(n: int, parts: int, what: str) -> int:
@@ -42,40 +43,47 @@ class ColumnParallelLinear(Linear):
         return rows[0] if len(rows) == 1 else torch.cat(rows, 0)
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """The fused q/k/v projection split by heads: ``H / TP`` query heads per rank and
-    ``max(1, H_kv / TP)`` KV heads, a KV head copied to ``TP / H_kv`` ranks when TP exceeds
-    ``H_kv`` (rank ``r`` then holds KV head ``r // (TP / H_kv)``, the one its query heads use)."""
+class QKVParallelLinear(Linear):
+    """The fused q/k/v projection split by heads, by the one rule planner and engine share
+    (:mod:`kvledger.spec.head_split`): this rank's query heads and the KV heads of their groups
+    (whole GQA groups, unevenly when TP does not divide ``H_kv``; one KV head copied to
+    ``TP / H_kv`` ranks when TP exceeds ``H_kv``)."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
-        tp = tp_size()
-        if num_kv_heads % tp and tp % num_kv_heads:
-            raise KVLedgerError(f"tensor-parallel size {tp} cannot split {num_kv_heads} KV heads: it must divide "
-                                f"them or be a multiple of them")
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.heads = split_heads(num_heads, num_kv_heads, self.tp_size, "the model").ranks[self.tp_rank]
         self.head_dim = head_dim
-        self.num_heads = _divide(num_heads, tp, "attention heads")
-        self.num_kv_heads = max(1, num_kv_heads // tp)
-        self.kv_head_start = (tp_rank() * num_kv_heads // tp) if num_kv_heads >= tp else tp_rank() // (tp // num_kv_heads)
-        q, kv = num_heads * head_dim, self.num_kv_heads * head_dim * tp  # kv: as if each rank had its own heads
-        super().__init__(hidden, [q, kv, kv], bias)
+        self.num_heads, self.num_kv_heads = self.heads.num_heads, self.heads.num_kv_heads  # this rank's
+        super().__init__(hidden, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias=bias)
+
+    @property
+    def q_features(self) -> tuple[int, int]:
+        """(first, count) of the attention output features this rank computes: its query heads'
+        ``head_dim`` columns each, the input columns of the row-parallel o projection."""
+        return self.heads.q_start * self.head_dim, self.num_heads * self.head_dim
 
     def shard(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's rows of the full q, k and v weights (or biases), concatenated."""
         q, k, v = pieces
-        d = self.head_dim
-        q_rows = q.narrow(0, self.tp_rank * self.num_heads * d, self.num_heads * d)
-        k_rows = k.narrow(0, self.kv_head_start * d, self.num_kv_heads * d)
-        v_rows = v.narrow(0, self.kv_head_start * d, self.num_kv_heads * d)
-        return torch.cat((q_rows, k_rows, v_rows), 0)
+        d, h = self.head_dim, self.heads
+        return torch.cat((q.narrow(0, h.q_start * d, h.num_heads * d), k.narrow(0, h.kv_start * d, h.num_kv_heads * d),
+                          v.narrow(0, h.kv_start * d, h.num_kv_heads * d)), 0)
 
 
 class RowParallelLinear(Linear):
     """``y = sum over ranks of x_local W_local^T``, then ``+ b + residual`` once: this rank holds
-    columns ``[in / TP]`` of the weight and receives its share of the input features (what the
-    column-parallel layer before it produced)."""
+    columns ``[in / TP]`` of the weight, or the ``in_features_slice`` (first, count) it is given
+    (an attention output split by :attr:`QKVParallelLinear.q_features`), and receives that share
+    of the input features (what the column-parallel layer before it produced)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 in_features_slice: tuple[int, int] | None = None) -> None:
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
-        self.in_local = _divide(in_features, self.tp_size, "input features")
+        if in_features_slice is None:
+            self.in_local = _divide(in_features, self.tp_size, "input features")
+            self.in_start = self.tp_rank * self.in_local
+        else:
+            self.in_start, self.in_local = in_features_slice
         super().__init__(self.in_local, out_features, bias=bias)
 
     def shard(self, pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -83,7 +91,7 @@ class RowParallelLinear(Linear):
         (full,) = pieces
         if full.dim() == 1:
             return full
-        return full.narrow(1, self.tp_rank * self.in_local, self.in_local)
+        return full.narrow(1, self.in_start, self.in_local)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
         if self.tp_size == 1:
@@ -92,3 +100,12 @@ class RowParallelLinear(Linear):
         if self.bias is not None:
             y = y + self.bias
         return y if residual is None else y + residual
+
+
+def rank_slice(model: torch.nn.Module, name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """What parameter ``name`` of ``model`` takes from the checkpoint's full ``pieces``: this rank's
+    slice when its module is a parallel projection (``shard``), else the pieces concatenated."""
+    module = model.get_submodule(name.rpartition(".")[0])
+    if hasattr(module, "shard"):
+        return module.shard(pieces)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)

@@ -8,6 +8,12 @@ RoPE with ``rope_local_base_freq`` on sliding layers and ``rope_theta`` (with it
 full ones; tied embeddings; and the per-layer pattern of ``layer_types`` (or the family default,
 one full layer in six), read through :class:`ModelSpec` as the planner reads it.
 
+Tensor parallelism as in :mod:`kvledger.models.llama`: the heads split by
+:mod:`kvledger.spec.head_split` (Gemma-3 270M's one KV head copied to both ranks at TP 2, each
+with 2 of its 4 query heads; the per-head q/k norms replicated), q/k/v and gate/up
+column-parallel, o and down row-parallel; embeddings, the other norms and the tied LM head
+replicated.
+
 The KV cache is cut into groups (:func:`kv_cache_groups`): layer ``i`` writes slot
 ``cache_layer`` of the cache through its group's block tables, and ``forward`` takes one
 :class:`AttentionMetadata` per group. A sliding layer's metadata carries its window in its masks.
@@ -25,6 +31,7 @@ from kvledger.errors import KVLedgerError
 from kvledger.layers.activation import gelu_tanh_and_mul
 from kvledger.layers.attention import AttentionMetadata, paged_attention
 from kvledger.layers.linear import Linear, PackedWeight, linear, pack_weight
+from kvledger.layers.parallel import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, rank_slice
 from kvledger.kvcache.storage import KVCache
 from kvledger.layers.rmsnorm import RMSNorm
 from kvledger.layers.rotary import RotaryEmbedding, apply_rotary
@@ -45,14 +52,16 @@ class Attention(nn.Module):
     def __init__(self, config: dict[str, Any], layer: int, cache_layer: int, group: int) -> None:
         super().__init__()
         self.layer, self.cache_layer, self.group = layer, cache_layer, group
-        self.num_heads = config["num_attention_heads"]
-        self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
-        self.head_dim = config.get("head_dim") or config["hidden_size"] // self.num_heads
+        total_heads = config["num_attention_heads"]
+        self.head_dim = config.get("head_dim") or config["hidden_size"] // total_heads
+        bias = bool(config.get("attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(config["hidden_size"], self.head_dim, total_heads,
+                                          config.get("num_key_value_heads") or total_heads, bias=bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(config.get("attention_bias", False))
-        self.qkv_proj = Linear(config["hidden_size"], self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, config["hidden_size"], bias=False)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config["hidden_size"], bias=False,
+                                        in_features_slice=self.qkv_proj.q_features)
         self.q_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
         self.k_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
         self.scale = float(config.get("query_pre_attn_scalar") or 256) ** -0.5
@@ -74,8 +83,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config["hidden_size"], 2 * config["intermediate_size"], bias=False)
-        self.down_proj = Linear(config["intermediate_size"], config["hidden_size"], bias=False)
+        inter = config["intermediate_size"]
+        self.gate_up_proj = ColumnParallelLinear(config["hidden_size"], [inter, inter], bias=False)
+        self.down_proj = RowParallelLinear(inter, config["hidden_size"], bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
@@ -188,7 +198,7 @@ class Gemma3ForCausalLM(nn.Module):
             absent.extend(source for source, t in zip(sources, tensors) if t is None)
             if any(t is None for t in tensors):
                 return
-            tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
+            tensor = rank_slice(self, name, tensors)
             param = own[name]
             if param.shape != tensor.shape:
                 raise KVLedgerError(f"checkpoint tensor for {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")

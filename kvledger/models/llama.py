@@ -9,9 +9,11 @@ implemented (every token attends to its whole context).
 the tokens at which a new token is sampled.
 
 Tensor parallelism (:mod:`kvledger.layers.parallel`): built inside a TP group, each rank holds
-``H / TP`` query heads and ``max(1, H_kv / TP)`` KV heads (q/k/v and gate/up column-parallel,
-o and down row-parallel, one all-reduce each), and :meth:`LlamaForCausalLM.load_hf_state_dict`
-slices the full checkpoint to the rank's share. The embedding, norms and LM head are replicated.
+the query and KV heads :mod:`kvledger.spec.head_split` gives it (whole GQA groups, unevenly when
+TP does not divide ``H_kv``: SmolLM2's 3 KV heads at TP 2 are 2 and 1; a KV head copied when TP
+exceeds ``H_kv``), q/k/v and gate/up column-parallel, o and down row-parallel (one all-reduce
+each), and :meth:`LlamaForCausalLM.load_hf_state_dict` slices the full checkpoint to the rank's
+share. The embedding, norms and LM head are replicated.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from kvledger.errors import KVLedgerError
 from kvledger.layers.activation import silu_and_mul
 from kvledger.layers.attention import AttentionMetadata, paged_attention
 from kvledger.layers.linear import Linear, PackedWeight, linear, pack_weight
-from kvledger.layers.parallel import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kvledger.layers.parallel import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, rank_slice
 from kvledger.kvcache.storage import KVCache
 from kvledger.layers.rmsnorm import RMSNorm
 from kvledger.layers.rotary import RotaryEmbedding, apply_rotary
@@ -45,7 +47,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config["hidden_size"], bias=False)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config["hidden_size"], bias=False,
+                                        in_features_slice=self.qkv_proj.q_features)
         self.qk_norm = config["model_type"] == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
@@ -169,11 +172,7 @@ class LlamaForCausalLM(nn.Module):
             absent.extend(source for source, t in zip(sources, tensors) if t is None)
             if any(t is None for t in tensors):
                 return
-            module = self.get_submodule(name.rpartition(".")[0])
-            if hasattr(module, "shard"):  # a parallel projection: this rank's slice of the pieces
-                tensor = module.shard(tensors)
-            else:
-                tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
+            tensor = rank_slice(self, name, tensors)
             param = own[name]
             if param.shape != tensor.shape:
                 raise KVLedgerError(f"checkpoint tensor for {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")

@@ -31,24 +31,21 @@ class ModelFamily:
     model_class: Callable[[dict[str, Any]], nn.Module]
     kv_groups: Callable[[dict[str, Any]], list[KVCacheGroup]]
     """The KV-cache groups of a config (sliding and full layers apart)."""
-    shards: bool
-    """Tensor parallelism: the model splits its heads and MLP over ranks."""
     compiles: bool
     """The compiled step (:mod:`kvledger.engine.compile`) serves it: its attention operator counts
     layers in order."""
 
 
 FAMILIES: tuple[ModelFamily, ...] = (
-    ModelFamily("Llama", llama.SUPPORTED_MODEL_TYPES, llama.LlamaForCausalLM, _one_full_group, shards=True,
-                compiles=True),
+    ModelFamily("Llama", llama.SUPPORTED_MODEL_TYPES, llama.LlamaForCausalLM, _one_full_group, compiles=True),
     ModelFamily("Gemma-3", gemma3.SUPPORTED_MODEL_TYPES, gemma3.Gemma3ForCausalLM, gemma3.model_kv_groups,
-                shards=False, compiles=False),
+                compiles=False),
 )
 
 
-def family_for(hf_config: dict[str, Any], name: str, tensor_parallel_size: int = 1) -> ModelFamily:
-    """The family of a checkpoint's config, or a one-line error naming the supported ``model_type``\\s
-    (or the tensor-parallel size the family cannot take)."""
+def family_for(hf_config: dict[str, Any], name: str) -> ModelFamily:
+    """The family of a checkpoint's config, or a one-line error naming the supported ``model_type``\\s.
+    Every family shards over tensor-parallel ranks (:mod:`kvledger.layers.parallel`)."""
     model_type = hf_config.get("model_type")
     for family in FAMILIES:
         if model_type in family.model_types:
@@ -56,8 +53,4 @@ def family_for(hf_config: dict[str, Any], name: str, tensor_parallel_size: int =
     else:
         supported = ", ".join(t for f in FAMILIES for t in f.model_types)
         raise KVLedgerError(f"{name}: model_type {model_type!r} is not supported by the engine; supported: {supported}")
-    if tensor_parallel_size > 1 and not family.shards:
-        shards = " and ".join(f.name for f in FAMILIES if f.shards)
-        raise KVLedgerError(f"--tensor-parallel-size {tensor_parallel_size}: the engine shards the {shards} family only, "
-                            f"not {name} ({model_type}); use --tensor-parallel-size 1")
     return family

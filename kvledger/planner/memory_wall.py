@@ -39,6 +39,7 @@ from kvledger.config import (CUDA_BLOCK_SIZE, LARGE_CARD_MAX_NUM_BATCHED_TOKENS,
 from kvledger.errors import KVLedgerError
 from kvledger.planner.gpus import GPU, kv_dtype_warning
 from kvledger.spec import ModelSpec, kv_bytes
+from kvledger.spec.head_split import split_heads
 from kvledger.spec.hybrid import DEFAULT_VLLM_VERSION, HybridLayout, layout_for, vllm_rules
 from kvledger.spec.weights import MODEL_DTYPES, WeightBytes, model_dtype, weight_bytes_breakdown
 from kvledger.units import GiB, MiB
@@ -342,6 +343,7 @@ def plan_memory(spec: ModelSpec, gpu: GPU, config: PlannerConfig | None = None, 
     seqs = c.max_num_seqs if c.max_num_seqs is not None else default_max_num_seqs(gpu)
     batched = c.max_num_batched_tokens if c.max_num_batched_tokens is not None else default_max_num_batched_tokens(gpu)
     tp, pp = c.tensor_parallel_size, c.pipeline_parallel_size
+    check_vllm_heads(spec, tp)
     layers = stage_layers(spec, pp)
     unq = model_dtype(spec, c.dtype)
     act_bytes = MODEL_DTYPES[unq]
@@ -437,18 +439,26 @@ def plan_memory(spec: ModelSpec, gpu: GPU, config: PlannerConfig | None = None, 
     )
 
 
+def check_vllm_heads(spec: ModelSpec, tp: int) -> None:
+    """vLLM's rule for ``tp`` ranks: every rank holds as many heads as every other
+    (:mod:`kvledger.spec.head_split`, ``even``); a KVLedgerError naming the sizes that work, and
+    those kvledger's engine adds, otherwise."""
+    split_heads(spec.num_attention_heads, spec.num_kv_heads, tp, spec.name, latent=spec.is_mla, even=True)
+
+
 def _fitting_tp(spec: ModelSpec, kv_cache_dtype: str, block_size: int | None, parts_at: Callable[..., WeightBytes],
                 layers: int, pp: int, requested: int, tp: int, overheads_at: Callable[[int], Overheads],
                 unq: str) -> int | None:
-    """The smallest tensor-parallel size above ``tp`` whose ranks split the heads and leave a KV
+    """The smallest tensor-parallel size above ``tp`` whose ranks split the heads evenly and leave a KV
     pool of at least one block, with ``parts_at(tensor_parallel_size=size)`` as the weights and
     ``overheads_at(size)`` as the overhead there; ``None`` when none does."""
     for size in TP_HINT_SIZES:
         if size <= tp:
             continue
         try:
+            check_vllm_heads(spec, size)
             kvb = kv_bytes(spec, kv_cache_dtype, tensor_parallel_size=size, pipeline_parallel_size=pp, model_dtype=unq)
-        except KVLedgerError:  # the heads do not split over this many ranks
+        except KVLedgerError:  # the heads do not split evenly over this many ranks (vLLM's rule)
             continue
         weights = parts_at(tensor_parallel_size=size).per_rank(spec.num_layers, layers, size, first_stage=pp == 1,
                                                                 last_stage=True)

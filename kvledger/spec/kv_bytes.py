@@ -6,11 +6,12 @@ Extensions the chapter's formula needs on real models, each keeping the seven te
   ``T_layer = min(T, window)``. The total sums the full and the sliding layers.
 * **MLA** (DeepSeek-V2/V3) caches one latent of ``kv_lora_rank + qk_rope_head_dim`` elements
   per token per layer: the K/V factor is 1, ``H_kv`` is 1 and ``d_h`` is the latent width.
-* **Tensor parallelism**: a rank holds ``max(1, H_kv // TP)`` KV heads (heads replicate when
-  TP > H_kv); an MLA latent is replicated on every rank. ``bytes_per_token`` and
-  ``total_bytes`` are per rank; ``*_all_ranks`` sum over ranks. TP must divide the attention
-  heads, and the KV heads must split evenly (``H_kv % TP == 0``) or replicate evenly
-  (``TP % H_kv == 0``), as vLLM requires.
+* **Tensor parallelism**: the ranks share the heads by :mod:`kvledger.spec.head_split`'s rule
+  (whole GQA groups per rank, unevenly when ``TP`` does not divide ``H_kv``; one KV head copied
+  to ``TP / H_kv`` ranks when ``TP`` exceeds it); an MLA latent is replicated on every rank.
+  ``bytes_per_token`` and ``total_bytes`` are one rank's: the largest rank's (rank 0), which
+  every rank's pool is sized by, or rank ``rank``'s when given; ``*_all_ranks`` sum over the
+  ranks, each with its own heads.
 * **Pipeline parallelism**: a stage holds its own layers; the numbers are the last stage's
   (``L // PP`` layers: vLLM gives the remainder to the earlier stages).
 * **Quantized caches** store scales beside the elements (``spec.dtypes`` gives each layout):
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 from kvledger.errors import KVLedgerError
 from kvledger.spec.dtypes import (KV_CACHE_DTYPE_BYTES, PER_LAYER_SCALE_DTYPES, PER_TOKEN_SCALE_BYTES,
                                   resolve_kv_cache_dtype)
+from kvledger.spec.head_split import split_heads
 from kvledger.spec.model_spec import ModelSpec
 from kvledger.spec.state import ATTENTION_KINDS, MAMBA_DTYPE_BYTES, state_bytes
 
@@ -64,7 +66,7 @@ class KVBytes:
     tokens: int
     """``T``: cached tokens per sequence (before sliding windows)."""
     kv_heads: int
-    """``H_kv`` per rank."""
+    """``H_kv`` on the rank described (the largest rank's unless ``rank`` was given)."""
     head_dim: int
     """``d_h`` (for MLA: latent width)."""
     element_bytes: float
@@ -110,6 +112,10 @@ class KVBytes:
     state_bytes_per_request_all_ranks: int = 0
     total_state_bytes: int = 0
     """Per rank: ``B x state_bytes_per_request``."""
+    kv_heads_by_rank: tuple[int, ...] = ()
+    """``H_kv`` of every rank, rank 0 first (unequal when ``TP`` does not divide ``H_kv``)."""
+    rank: int | None = None
+    """The rank the per-rank figures describe; None: the largest (rank 0's figures)."""
 
     @property
     def token_bytes(self) -> int:
@@ -117,6 +123,17 @@ class KVBytes:
         over ``page_layers`` layers (equal to ``L`` but for hybrid sliding/full models)."""
         per_layer = (self.bytes_per_token + self.scale_bytes_per_token) // self.num_layers
         return per_layer * (self.page_layers or self.num_layers)
+
+    @property
+    def uneven_split_note(self) -> str | None:
+        """A line saying the ranks hold unequal KV heads and which the per-rank figures are; None
+        when every rank holds as many as every other."""
+        heads = self.kv_heads_by_rank
+        if len(set(heads)) < 2:
+            return None
+        return (f"TP {self.tensor_parallel_size} splits the {sum(heads)} KV heads unevenly, whole GQA groups per "
+                f"rank ({', '.join(map(str, heads))}); per rank is rank 0, the largest, which every rank's pool is "
+                "sized by; vLLM refuses this size, kvledger's engine runs it")
 
     def num_blocks(self, pool_bytes: int, block_size: int) -> int:
         """Blocks of ``block_size`` tokens that a pool of ``pool_bytes`` holds, scales included.
@@ -175,6 +192,7 @@ def kv_bytes(
     model_dtype: str | None = None,
     block_size: int | None = None,
     mamba_ssm_cache_dtype: str = "auto",
+    rank: int | None = None,
 ) -> KVBytes:
     """Evaluate Eq 2.2 for ``batch`` sequences of ``tokens`` cached tokens each, on one rank of
     the last pipeline stage. ``model_dtype`` (vLLM's ``--dtype``) is what ``auto`` resolves to
@@ -183,7 +201,9 @@ def kv_bytes(
 
     A hybrid model's Eq 2.2 runs over its attention layers only (``L`` counts them); its state
     layers' fixed per-request state is ``state_bytes_per_request`` (``spec.state``), its SSM
-    part in ``mamba_ssm_cache_dtype`` (vLLM's ``--mamba-ssm-cache-dtype``)."""
+    part in ``mamba_ssm_cache_dtype`` (vLLM's ``--mamba-ssm-cache-dtype``).
+
+    The per-rank figures are the largest rank's, or rank ``rank``'s (``0 <= rank < TP``)."""
     if block_size is not None and (not isinstance(block_size, int) or block_size <= 0):
         raise KVLedgerError(f"block-size must be a positive integer, got {block_size!r}")
     for value, what in ((tokens, "tokens"), (batch, "batch"), (tensor_parallel_size, "tensor-parallel-size"),
@@ -196,7 +216,10 @@ def kv_bytes(
     dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype or spec.torch_dtype)
     s = KV_CACHE_DTYPE_BYTES[dtype]
     tp = tensor_parallel_size
-    _check_tensor_parallel(spec, tp)
+    split = split_heads(spec.num_attention_heads, spec.num_kv_heads, tp, spec.name, latent=spec.is_mla)
+    if rank is not None and not (isinstance(rank, int) and 0 <= rank < tp):
+        raise KVLedgerError(f"rank must be one of the {tp} ranks 0..{tp - 1}, got {rank!r}")
+    heads_by_rank = tuple(r.num_kv_heads for r in split.ranks)
     if spec.is_hybrid and pipeline_parallel_size > 1:
         raise KVLedgerError(f"pipeline parallelism of a hybrid model ({spec.name}) is not modeled; use "
                             "--tensor-parallel-size")
@@ -208,10 +231,12 @@ def kv_bytes(
     num_sliding = sum(1 for t in layer_types if t != "full_attention")
     num_full = num_layers - num_sliding
     if spec.is_mla:
-        factor, heads, width = 1, 1, spec.kv_lora_rank + spec.qk_rope_head_dim  # replicated per rank
+        factor, width = 1, spec.kv_lora_rank + spec.qk_rope_head_dim  # one latent, replicated per rank
     else:
-        factor, heads, width = 2, max(1, spec.num_kv_heads // tp), spec.head_dim
-    per_layer_token = int(factor * heads * width * s)  # whole bytes: d_h is even, 4-bit pairs pack
+        factor, width = 2, spec.head_dim
+    heads = split.max_kv_heads if rank is None else heads_by_rank[rank]
+    rank_layer_tokens = [int(factor * h * width * s) for h in heads_by_rank]  # whole bytes: d_h even, 4-bit pairs pack
+    per_layer_token = int(factor * heads * width * s)
     per_token = num_layers * per_layer_token
     window = spec.sliding_window
     if window and block_size:
@@ -219,6 +244,7 @@ def kv_bytes(
     else:
         sliding_tokens = min(tokens, window) if window else tokens
     total = per_layer_token * batch * (num_full * tokens + num_sliding * sliding_tokens)
+    total_all_ranks = sum(rank_layer_tokens) * batch * (num_full * tokens + num_sliding * sliding_tokens)
     scale = _scale_bytes_per_token(dtype, factor, heads, num_layers)
     fixed = 2 * num_layers * FP8_SCALE_BYTES if dtype in PER_LAYER_SCALE_DTYPES else 0
     layer_token_slots = batch * (num_full * tokens + num_sliding * sliding_tokens)
@@ -243,9 +269,9 @@ def kv_bytes(
         num_sliding_layers=num_sliding,
         sliding_window=window if num_sliding else None,
         bytes_per_token=per_token,
-        bytes_per_token_all_ranks=per_token * tp,
+        bytes_per_token_all_ranks=num_layers * sum(rank_layer_tokens),
         total_bytes=total,
-        total_bytes_all_ranks=total * tp,
+        total_bytes_all_ranks=total_all_ranks,
         scale_bytes_per_token=scale,
         scale_bytes_fixed=fixed,
         total_scale_bytes=total_scales,
@@ -264,6 +290,8 @@ def kv_bytes(
         state_bytes_per_request=state_request,
         state_bytes_per_request_all_ranks=state_request * tp,
         total_state_bytes=state_request * batch,
+        kv_heads_by_rank=heads_by_rank,
+        rank=rank,
     )
 
 
@@ -304,26 +332,6 @@ def vllm_page_layers(num_full: int, num_sliding: int) -> int:
         return num_full + num_sliding
     group = min(num_full, num_sliding)
     return group * (math.ceil(num_full / group) + math.ceil(num_sliding / group))
-
-
-def _splits(spec: ModelSpec, tp: int) -> bool:
-    """Whether ``tp`` ranks can split the model's heads (vLLM's rule; MLA: attention heads only)."""
-    if spec.num_attention_heads % tp:
-        return False
-    return spec.is_mla or spec.num_kv_heads % tp == 0 or tp % spec.num_kv_heads == 0
-
-
-def _check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
-    """A KVLedgerError naming the sizes that work when ``tp`` ranks cannot split the heads."""
-    if _splits(spec, tp):
-        return
-    heads, rule = f"{spec.num_attention_heads} attention heads", "the attention heads must divide evenly"
-    if not spec.is_mla:
-        heads += f" and {spec.num_kv_heads} KV heads"
-        rule += ", the KV heads divide or replicate evenly"
-    valid = ", ".join(str(n) for n in range(1, spec.num_attention_heads + 1) if _splits(spec, n))
-    raise KVLedgerError(f"tensor-parallel size {tp} cannot split the {heads} of {spec.name} ({rule}); "
-                        f"sizes that do: {valid}")
 
 
 def _scale_bytes_per_token(dtype: str, kv_factor: int, kv_heads: int, num_layers: int) -> int:
