@@ -29,8 +29,8 @@ BlockHash = bytes
 
 
 class SequenceLike(Protocol):
-    """What the cache reads of a request: its id, its length, how much of it is in the cache,
-    and the key of each full block. The engine's :class:`~kvledger.engine.sequence.Request`
+    """What the cache reads of a request: its id, its length and its prompt's, how much of it is in
+    the cache, and the key of each full block. The engine's :class:`~kvledger.engine.sequence.Request`
     and the simulator's length-only requests are both this."""
 
     request_id: str
@@ -38,6 +38,9 @@ class SequenceLike(Protocol):
 
     @property
     def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
 
     def block_hash(self, parent: BlockHash | None, index: int, block_size: int) -> BlockHash: ...
 
