@@ -79,3 +79,21 @@ def offload_capacity(size_gib: float, rank_block_bytes: int, block_size: int, te
     budget = int(size_gib * GIB)
     return OffloadCapacity(size_gib=size_gib, budget_bytes=budget, block_size=block_size, block_bytes=block_bytes,
                            slot_bytes=slot_bytes, num_blocks=budget // slot_bytes, copies=copies)
+
+
+def tier_capacity(spec, kv_cache_dtype: str, block_size: int, size_gib: float,
+                  tensor_parallel_size: int = 1) -> OffloadCapacity:
+    """:func:`offload_capacity` for a model: its blocks of ``block_size`` tokens in ``kv_cache_dtype``
+    on each of ``tensor_parallel_size`` ranks (:meth:`~kvledger.spec.kv_bytes.KVBytes.page_bytes`,
+    scales included), an MLA latent kept once. Refused in one line for a model whose layers do not
+    all keep every token (sliding windows, recurrent state), and for a size that holds no block."""
+    from kvledger.spec.kv_bytes import kv_bytes
+
+    if spec.is_hybrid or spec.num_sliding_layers:
+        raise KVLedgerError(f"{spec.name}: a KV offloading tier is not supported for models with sliding-window "
+                            "or recurrent-state layers")
+    rank_block = kv_bytes(spec, kv_cache_dtype, tensor_parallel_size=tensor_parallel_size).page_bytes(block_size)
+    capacity = offload_capacity(size_gib, rank_block, block_size, tensor_parallel_size, replicated=spec.is_mla)
+    if capacity.num_blocks < 1:
+        raise KVLedgerError(f"--kv-offloading-size {size_gib:g} GiB holds no block of {capacity.slot_bytes:,} bytes")
+    return capacity
