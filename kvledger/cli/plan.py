@@ -158,9 +158,14 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_offloading_size:
         from kvledger.planner.offload import plan_offload
 
-        plan.numbers.update(plan_offload(spec, gpu, plan.wall, args.kv_offloading_size, path=args.kv_offloading_path,
-                                         bandwidth=args.kv_offloading_bandwidth,
-                                         prefix_tokens=args.context or CROSSOVER_CONTEXT))
+        from kvledger.sim.step_model import StepModel
+
+        wall = plan.wall
+        model = StepModel.from_gpu(spec, gpu, wall.kv_cache_dtype, wall.tensor_parallel_size)
+        plan.numbers.update(plan_offload(
+            spec, gpu, wall, args.kv_offloading_size, prefix_tokens=args.context or CROSSOVER_CONTEXT,
+            recompute_seconds=lambda t: model.prefill_seconds(t, wall.max_num_batched_tokens),
+            path=args.kv_offloading_path, bandwidth=args.kv_offloading_bandwidth))
     for warning in plan.numbers["warnings"]:
         print(f"kvledger plan: warning: {warning}", file=sys.stderr)
     if args.plot:

@@ -4,41 +4,28 @@ what a prefix costs to load from it against what it costs to compute again.
 The capacity is :func:`kvledger.spec.offload.tier_capacity` (vLLM's arithmetic, the engine's and
 the simulator's too). Loading ``T`` tokens moves their full blocks over the tier's link (the
 card's host link from ``gpus.json`` unless ``--kv-offloading-bandwidth`` names one), one rank's
-bytes per rank, all ranks at once; recomputing them is the simulator's step model
-(:class:`kvledger.sim.step_model.StepModel`) pricing their prefill in chunks of
-``max_num_batched_tokens``.
+bytes per rank, all ranks at once; recomputing them is priced by the caller (``kvledger plan``
+gives the simulator's step model, :meth:`kvledger.sim.step_model.StepModel.prefill_seconds`, in
+chunks of ``max_num_batched_tokens``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from kvledger.spec.offload import tier_capacity
 
 
-def recompute_seconds(spec, gpu, kv_cache_dtype: str, tensor_parallel_size: int, tokens: int, chunk: int) -> float:
-    """Seconds to prefill ``tokens`` tokens alone, ``chunk`` at a time (the step model of the catalog card)."""
-    from kvledger.sim.step_model import StepModel
-
-    model = StepModel.from_gpu(spec, gpu, kv_cache_dtype, tensor_parallel_size)
-    seconds, done = 0.0, 0
-    while done < tokens:
-        n = min(chunk, tokens - done)
-        seconds += model.step_seconds([(done, n)], 1 if done + n == tokens else 0)
-        done += n
-    return seconds
-
-
-def plan_offload(spec, gpu, wall, size_gib: float, *, path: str | None = None, bandwidth: float | None = None,
-                 prefix_tokens: int) -> dict[str, Any]:
-    """The tier's numbers for ``kvledger plan --json`` (``offload_*`` keys) and its notes."""
+def plan_offload(spec, gpu, wall, size_gib: float, *, prefix_tokens: int, recompute_seconds: Callable[[int], float],
+                 path: str | None = None, bandwidth: float | None = None) -> dict[str, Any]:
+    """The tier's numbers for ``kvledger plan --json`` (``offload_*`` keys) and its notes;
+    ``recompute_seconds(T)``: the seconds a prefill of ``T`` tokens takes on ``gpu``."""
     tp = wall.tensor_parallel_size
     cap = tier_capacity(spec, wall.kv_cache_dtype, wall.block_size, size_gib, tp)
     link = bandwidth or gpu.host_link_bytes_per_s
     blocks = prefix_tokens // wall.block_size  # a prefix's full blocks: the rest is computed anyway
     load_s = blocks * cap.rank_block_bytes / link
-    recompute_s = recompute_seconds(spec, gpu, wall.kv_cache_dtype, tp, blocks * wall.block_size,
-                                    wall.max_num_batched_tokens)
+    recompute_s = recompute_seconds(blocks * wall.block_size)
     notes = []
     if path and not bandwidth:
         notes.append(f"--kv-offloading-path: loads are priced at the host link ({gpu.host_link}); a disk reads "
