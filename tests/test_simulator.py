@@ -253,7 +253,8 @@ def test_simulate_never_imports_torch():
             "from kvledger.cli.main import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             f"    rc = main(['simulate', 'llama-3.1-8b', '--gpu', 'h100-80gb', '--workload', {str(MOONCAKE)!r},\n"
-            "               '--num-prompts', '40', '--replicas', '2', '--router', 'prefix-affinity', '--json'])\n"
+            "               '--num-prompts', '40', '--replicas', '2', '--router', 'prefix-affinity',\n"
+            "               '--kv-offloading-size', '0,4', '--json'])\n"
             "assert rc == 0, rc\n"
             "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
             "print('TORCH' if loaded else 'NO-TORCH', loaded[:3])\n")
