@@ -373,7 +373,8 @@ def test_a_second_tier_sweep_on_mooncake_adds_hits_from_it():
     preempted: Mooncake's sessions come back after more tokens than the pool holds, so what the pool
     evicted is found again in a 256 GiB tier, loaded (the step pays for the copies at the H100's
     PCIe Gen5 link) and counted as external_kv_transfer, the pool's hits unchanged."""
-    out = sim_json(*OFFLOAD_RUN, "--kv-offloading-size", "0,256", "--kv-offloading-store", "evict")
+    out = sim_json(*OFFLOAD_RUN, "--kv-offloading-size", "0,256")
+    assert out["runs"][1]["offload_store_rule"] == "evict"  # the default
     assert out["kv_offloading_sizes"] == [0, 256]
     without, tier = out["runs"]
     for run in (without, tier):
@@ -397,7 +398,7 @@ def test_a_second_tier_sweep_on_mooncake_adds_hits_from_it():
 
 @needs_traces
 def test_one_tier_size_reports_it_and_the_sweep_plot_is_drawn(tmp_path):
-    one = sim_json(*OFFLOAD_RUN, "--num-prompts", "40", "--kv-offloading-size", "8")
+    one = sim_json(*OFFLOAD_RUN, "--num-prompts", "40", "--kv-offloading-size", "8", "--kv-offloading-store", "compute")
     assert one["kv_offloading_size"] == 8 and one["offload_store_rule"] == "compute"
     assert one["offload_bandwidth_bytes_per_s"] == 64e9 and one["offload_blocks_stored"] > 0  # written through
     png = tmp_path / "sweep.png"

@@ -68,7 +68,7 @@ class KVCacheManager:
     """Block tables, chained block hashes and allocation for the scheduler."""
 
     def __init__(self, pool: BlockPool, block_size: int, groups: Sequence[KVCacheGroup] | None = None,
-                 offload: OffloadStore | None = None, store_rule: str = STORE_ON_COMPUTE) -> None:
+                 offload: OffloadStore | None = None, store_rule: str = STORE_ON_EVICT) -> None:
         self.pool = pool
         self.block_size = block_size
         self.groups: tuple[KVCacheGroup, ...] = tuple(groups) if groups else (KVCacheGroup(FULL_ATTENTION, ()),)

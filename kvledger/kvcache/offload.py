@@ -32,7 +32,9 @@ they are computed (write-through), whether tier 1 keeps them or not."""
 STORE_ON_EVICT = "evict"
 """Store rule of a victim cache: a block is written to tier 2 only when tier 1 evicts it
 (write-back), so the two tiers hold different blocks."""
-STORE_RULES = (STORE_ON_COMPUTE, STORE_ON_EVICT)
+STORE_RULES = (STORE_ON_EVICT, STORE_ON_COMPUTE)
+"""The first is the default: on Mooncake's conversation trace it found more hits at every tier size
+(a write-through tier repeats the pool's blocks; one no larger than the pool adds no hit)."""
 
 
 @dataclass(frozen=True)

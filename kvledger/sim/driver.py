@@ -81,9 +81,11 @@ class Replica:
             self.kv: KVCacheManager = HybridKVCacheManager(self.pool, config.block_size, hybrid)
         else:
             self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
-            tier = OffloadStore(offload.capacity.num_blocks, offload.policy) if offload is not None else None
-            self.kv = KVCacheManager(self.pool, config.block_size, offload=tier,
-                                     store_rule=offload.store_rule if offload is not None else "compute")
+            if offload is None:
+                self.kv = KVCacheManager(self.pool, config.block_size)
+            else:
+                self.kv = KVCacheManager(self.pool, config.block_size, store_rule=offload.store_rule,
+                                         offload=OffloadStore(offload.capacity.num_blocks, offload.policy))
         self.offload = offload
         self.offload_traffic = OffloadTraffic()
         self.scheduler = Scheduler(config, self.kv)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvledger.kvcache.offload import STORE_ON_COMPUTE, KVTransfers
+from kvledger.kvcache.offload import STORE_ON_EVICT, KVTransfers
 from kvledger.spec.offload import OffloadCapacity
 
 
@@ -26,7 +26,7 @@ class OffloadTier:
     capacity: OffloadCapacity
     bandwidth_bytes_per_s: float | None
     policy: str = "lru"
-    store_rule: str = STORE_ON_COMPUTE
+    store_rule: str = STORE_ON_EVICT
 
     def seconds(self, transfers: KVTransfers) -> float:
         """What a step's copies add to it (0 when the step times already hold them)."""
