@@ -55,7 +55,13 @@ def plot_offload_sweep(out: dict[str, Any], path: str) -> None:
         right.plot(gib, [r["ttft_ms"][q] / 1e3 for r in runs], marker="o", label=f"TTFT {q}")
     right.set(title="TTFT", xlabel="--kv-offloading-size (GiB per replica)", ylabel="seconds")
     right.legend(fontsize=8)
+    right.set_yscale("log")
+    positive = [g for g in gib if g > 0]
     for ax in (left, right):
+        if positive:  # sizes grow by factors: a log axis, linear below the smallest size so 0 (no tier) shows
+            ax.set_xscale("symlog", linthresh=min(positive))
+        ax.set_xticks(gib, [f"{g:g}" for g in gib])
+        ax.set_xlim(min(gib), max(gib))
         ax.grid(alpha=0.3)
     fig.suptitle(f"{out['model']} ({out['step_model']}), {out['num_prompts']} requests from {out['trace']}")
     save_png(fig, path)
