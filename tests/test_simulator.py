@@ -411,6 +411,7 @@ def test_one_tier_size_reports_it_and_the_sweep_plot_is_drawn(tmp_path):
     (("--kv-offloading-size", "8,x"), ("--kv-offloading-size", "not a number of GiB")),
     (("--kv-offloading-size", "8,16", "--find-replicas"), ("--find-replicas takes one --kv-offloading-size",)),
     (("--kv-offloading-size", "8", "--no-enable-prefix-caching"), ("needs prefix caching",)),
+    (("--kv-offloading-size", "1000000"), ("host memory", "--kv-offloading-size")),  # 5 x 10^8 slots to keep
 ])
 @needs_traces
 def test_bad_tier_input_is_one_line_exit_2(extra, needles):

@@ -41,6 +41,10 @@ metrics): 58 measured, the slope between 400 requests of 50 and of 500 output to
 SIM_REQUEST_BYTES = 8000
 """Host bytes per request besides its tokens (the request, its result row, the metrics' lists):
 about 6,100 measured at the run's peak, plus the request built before it."""
+SIM_SLOT_BYTES = 400
+"""Host bytes one slot of a simulated second tier costs when it holds a block (its entry in the
+policy's lists, ARC's ghost entry): 246 for LRU and 387 for ARC, measured with tracemalloc over
+10^5 slots."""
 HOST_MEMORY_SHARE = 0.8
 """The share of the host's available memory a run may take (the rest for the interpreter and others)."""
 
@@ -87,11 +91,12 @@ def build_requests(sampled: Sequence[SampledRequest], times: Sequence[float], le
     return reqs
 
 
-def run_bytes(requests: Sequence[SimRequest], replicas: int, num_blocks: int) -> int:
-    """Host bytes a run of ``requests`` on ``replicas`` pools of ``num_blocks`` blocks takes at most:
-    every block of every pool, and every output token's time and gap."""
+def run_bytes(requests: Sequence[SimRequest], replicas: int, num_blocks: int, offload_blocks: int = 0) -> int:
+    """Host bytes a run of ``requests`` on ``replicas`` pools of ``num_blocks`` blocks (and second
+    tiers of ``offload_blocks`` slots) takes at most: every block of every pool and tier, and every
+    output token's time and gap."""
     tokens = sum(r.output_len for r in requests)
-    return (replicas * (num_blocks * SIM_BLOCK_BYTES + SIM_REPLICA_BYTES)
+    return (replicas * (num_blocks * SIM_BLOCK_BYTES + offload_blocks * SIM_SLOT_BYTES + SIM_REPLICA_BYTES)
             + len(requests) * SIM_REQUEST_BYTES + tokens * SIM_TOKEN_BYTES)
 
 
@@ -101,12 +106,13 @@ def check_host_memory(requests: Sequence[SimRequest], fleet: Fleet) -> None:
     lower ``--replicas``."""
     from kvledger.units import available_ram_bytes, format_bytes
 
-    need = run_bytes(requests, fleet.replicas, fleet.num_blocks)
+    slots = fleet.offload.capacity.num_blocks if fleet.offload is not None else 0
+    need = run_bytes(requests, fleet.replicas, fleet.num_blocks, slots)
     have = int(available_ram_bytes() * HOST_MEMORY_SHARE)
     if need <= have:
         return
     fixed = run_bytes(requests, 0, fleet.num_blocks)
-    per_replica = run_bytes([], 1, fleet.num_blocks)
+    per_replica = run_bytes([], 1, fleet.num_blocks, slots)
     fit = max(0, (have - fixed) // per_replica)
     if fleet.replicas == 1:
         lower = "lower the pool"
@@ -114,6 +120,8 @@ def check_host_memory(requests: Sequence[SimRequest], fleet: Fleet) -> None:
         lower = f"lower --replicas to {fit:,} or less, or the pool"
     else:
         lower = "lower --replicas and the pool"
+    if slots:
+        lower += " or the second tier (--kv-offloading-size)"
     raise KVLedgerError(f"simulating {fleet.replicas:,} replica(s) of {fleet.num_blocks:,} KV blocks and "
                         f"{len(requests):,} requests needs about {format_bytes(need)} of host memory, but "
                         f"{format_bytes(have)} is available to it; {lower} (--num-gpu-blocks-override, "
