@@ -120,12 +120,11 @@ def check_host_memory(requests: Sequence[SimRequest], fleet: Fleet) -> None:
         lower = f"lower --replicas to {fit:,} or less, or the pool"
     else:
         lower = "lower --replicas and the pool"
-    if slots:
-        lower += " or the second tier (--kv-offloading-size)"
     raise KVLedgerError(f"simulating {fleet.replicas:,} replica(s) of {fleet.num_blocks:,} KV blocks and "
                         f"{len(requests):,} requests needs about {format_bytes(need)} of host memory, but "
                         f"{format_bytes(have)} is available to it; {lower} (--num-gpu-blocks-override, "
-                        "--kv-cache-memory), --num-prompts or --max-model-len")
+                        "--kv-cache-memory), " + ("the second tier (--kv-offloading-size), " if slots else "")
+                        + "--num-prompts or --max-model-len")
 
 
 def simulate(requests: list[SimRequest], fleet: Fleet, *, progress: bool | None = None,
