@@ -207,7 +207,10 @@ def test_preemption_and_abort_leave_both_tiers_consistent():
             sched.finish(rs[2], "abort")
         kv.check_integrity()
     assert sched.num_preemptions > 0 and not sched.has_unfinished()
-    assert pool.num_free_blocks == pool.num_blocks and kv.offload.num_stored <= 4
+    assert pool.num_free_blocks == pool.num_blocks and 0 < kv.offload.num_stored <= 4
+    kv.check_integrity()
+    kv.reset_offload()
+    assert kv.offload.num_stored == 0 and kv.offload.match(kv._block_hashes(rs[0], 2)) == []
     kv.check_integrity()
 
 

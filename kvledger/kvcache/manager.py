@@ -371,8 +371,8 @@ class KVCacheManager:
             self._transfers.stores.append(StoreBlock(block_id, block_hash, slot))
 
     def take_transfers(self) -> KVTransfers | None:
-        """The copies the step just scheduled needs, stores first (None without tier 2). Its loads'
-        slots stay pinned until this call: the caller runs them before the next schedule."""
+        """The copies the step just scheduled needs, stores first (None without tier 2). Taking them
+        unpins the slots their loads read: the caller runs them before anything is scheduled again."""
         if self.offload is None:
             return None
         out, self._transfers = self._transfers, KVTransfers()
@@ -381,7 +381,8 @@ class KVCacheManager:
 
     def abort_transfers(self, transfers: KVTransfers) -> None:
         """A step's copies failed: forget what they would have made true (the loaded blocks' pool
-        entries, the stored slots' tier-2 entries)."""
+        entries, the stored slots' tier-2 entries). The requests the loads were for hold blocks
+        without their K/V: the caller ends or preempts them."""
         self.pool.uncache(load.block_id for load in transfers.loads)
         for store in transfers.stores:
             self.offload.drop(store.block_hash)
