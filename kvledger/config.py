@@ -203,6 +203,18 @@ class SimulatorConfig:
     """Hybrid models: the vLLM release whose pool rules to follow (None: the newest modeled)."""
     replicas: int = 1
     router: str = "least-loaded"
+    kv_offloading_size: tuple[float, ...] = ()
+    """vLLM's ``--kv-offloading-size`` in GiB (2^30 bytes), per replica, all ranks together; several
+    values sweep it, one run each; 0 or none: no second tier."""
+    kv_offloading_bandwidth: float | None = None
+    """Bytes per second, one direction, of the link the tier's loads and stores cross; None: the
+    card's host link (``gpus.json``)."""
+    kv_offloading_eviction_policy: str = "lru"
+    """vLLM's ``eviction_policy`` of the offloading tier: ``lru`` or ``arc``."""
+    kv_offloading_store: str = "evict"
+    """What the tier stores when: ``evict`` (a block when the pool evicts it: the tiers hold different
+    blocks) or ``compute`` (vLLM's: a prompt's full blocks as they are computed, so the tier repeats
+    what the pool holds). ``evict`` found more hits at every size on Mooncake (README)."""
 
     @classmethod
     def of(cls, settings: Any) -> "SimulatorConfig":

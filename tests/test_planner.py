@@ -41,6 +41,8 @@ def test_catalog_has_every_card_with_sources():
     raw = json.loads(CATALOG.read_text())["gpus"]
     for entry in raw:
         assert entry["memory_source"] and entry["spec_source"], entry["name"]
+        assert "https://" in entry["host_link_source"], entry["name"]
+        assert entry["host_link_bytes_per_s"] == {"PCIe Gen4 x16": 32e9, "PCIe Gen5 x16": 64e9}[entry["host_link"]]
         assert entry["bandwidth_bytes_per_s"] > 1e11 and entry["bf16_flops"] > 1e13
     # device-reported memory, not the marketing figure
     assert gpus()["h100-80gb"].memory_bytes == 85_029_158_912

@@ -223,3 +223,44 @@ def test_plan_refuses_an_uneven_head_split_that_kv_bytes_and_the_engine_run():
                           "evenly, as vLLM requires; sizes that do: 1, 3, 9; kvledger's engine also runs 2")
     assert plan("smollm2-135m", "--gpu", "l4", "-tp", "3")["bytes_per_token"] == 2 * 30 * 1 * 64 * 2
     assert kvledger("kv-bytes", "smollm2-135m", "-tp", "2", "--json").json()["bytes_per_token"] == 2 * 30 * 2 * 64 * 2
+
+
+# ---- the second KV tier (--kv-offloading-size) ---------------------------------------------------
+@pytest.mark.parametrize("flags, block_bytes, blocks", [
+    # bfloat16: 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes x 16 tokens = 2 MiB, whole host pages
+    ((), 2 * 2**20, 10 * 512),
+    # float32 doubles it
+    (("--kv-cache-dtype", "float32"), 4 * 2**20, 10 * 256),
+    # int8 with float16 scales per token and KV head: (65,536 + 1,024) x 16 = 1,064,960 bytes = 260 pages
+    (("--kv-cache-dtype", "int8"), 1_064_960, 10 * 2**30 // 1_064_960),
+    # TP 2: half the heads per rank, a copy per rank: the same block in all
+    (("--tensor-parallel-size", "2"), 2 * 2**20, 10 * 512),
+])
+def test_offload_capacity_is_vllms_arithmetic(flags, block_bytes, blocks):
+    out = plan("llama-3.1-8b", "--gpu", "h100-80gb", "--kv-offloading-size", "10", *flags)
+    assert out["offload_block_bytes"] == out["offload_slot_bytes"] == block_bytes
+    assert (out["offload_capacity_blocks"], out["offload_capacity_tokens"]) == (blocks, blocks * 16)
+    assert out["offload_bytes"] == blocks * block_bytes <= 10 * GiB
+
+
+def test_offload_load_against_recompute_and_the_link_override():
+    pcie5 = plan("llama-3.1-8b", "--gpu", "h100-80gb", "--kv-offloading-size", "64", "--context", "32768")
+    assert pcie5["offload_link"] == "PCIe Gen5 x16" and pcie5["offload_bandwidth_bytes_per_s"] == 64e9
+    assert pcie5["offload_prefix_tokens"] == 32768
+    assert pcie5["offload_load_s"] == pytest.approx(32768 * 131072 / 64e9)  # 2,048 blocks of 2 MiB over 64 GB/s
+    assert pcie5["offload_recompute_s"] > 10 * pcie5["offload_load_s"]  # a 32K prefill takes seconds on an H100
+    slow = plan("llama-3.1-8b", "--gpu", "h100-80gb", "--kv-offloading-size", "64", "--context", "32768",
+                "--kv-offloading-bandwidth", "2GB/s", "--kv-offloading-path", "/tmp/kv")
+    assert slow["offload_medium"] == "disk" and slow["offload_load_s"] == pytest.approx(32 * pcie5["offload_load_s"])
+    assert slow["offload_recompute_s"] == pcie5["offload_recompute_s"]
+    text = kvledger("plan", "llama-3.1-8b", "--gpu", "a100-80gb", "--kv-offloading-size", "16").stdout
+    assert "second KV tier: --kv-offloading-size 16 GiB" in text and "PCIe Gen4 x16" in text
+
+
+@pytest.mark.parametrize("args, needles", [
+    (("gemma-3-27b-it", "--gpu", "h100-80gb", "--kv-offloading-size", "8"), ("sliding-window",)),
+    (("llama-3.1-8b", "--gpu", "h100-80gb", "--kv-offloading-size", "0"), ("--kv-offloading-size", "positive")),
+    (("llama-3.1-8b", "--gpu", "h100-80gb", "--kv-offloading-size", "0.001"), ("holds no block",)),
+])
+def test_offload_bad_input_is_one_line_exit_2(args, needles):
+    assert_one_line_error(kvledger("plan", *args), *needles)

@@ -253,7 +253,8 @@ def test_simulate_never_imports_torch():
             "from kvledger.cli.main import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             f"    rc = main(['simulate', 'llama-3.1-8b', '--gpu', 'h100-80gb', '--workload', {str(MOONCAKE)!r},\n"
-            "               '--num-prompts', '40', '--replicas', '2', '--router', 'prefix-affinity', '--json'])\n"
+            "               '--num-prompts', '40', '--replicas', '2', '--router', 'prefix-affinity',\n"
+            "               '--kv-offloading-size', '0,4', '--json'])\n"
             "assert rc == 0, rc\n"
             "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
             "print('TORCH' if loaded else 'NO-TORCH', loaded[:3])\n")
@@ -358,3 +359,61 @@ def test_bad_input_is_one_line_exit_2(tmp_path, case):
                             ("not a step profile",)),
     }[case]
     assert_one_line_error(kvledger("simulate", *argv), *needles)
+
+
+# ---- a second KV tier (--kv-offloading-size) ------------------------------------------------------
+OFFLOAD_RUN = ("llama-3.1-8b", "--gpu", "h100-80gb", "--workload", str(MOONCAKE), "--num-prompts", "200",
+               "--sample", "head", "--time-scale", "0.1", "--num-gpu-blocks-override", "20000",
+               "--max-model-len", "65536")
+
+
+@needs_traces
+def test_a_second_tier_sweep_on_mooncake_adds_hits_from_it():
+    """A pool of 20,000 blocks (320K tokens) under Mooncake's first 200 requests, spread out so none is
+    preempted: Mooncake's sessions come back after more tokens than the pool holds, so what the pool
+    evicted is found again in a 256 GiB tier, loaded (the step pays for the copies at the H100's
+    PCIe Gen5 link) and counted as external_kv_transfer, the pool's hits unchanged."""
+    out = sim_json(*OFFLOAD_RUN, "--kv-offloading-size", "0,256")
+    assert out["runs"][1]["offload_store_rule"] == "evict"  # the default
+    assert out["kv_offloading_sizes"] == [0, 256]
+    without, tier = out["runs"]
+    for run in (without, tier):
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+            assert set(run[key]) >= {"mean", "p50", "p90", "p99"}
+        assert run["num_preemptions"] == 0 and run["completed"] == 200
+        assert sum(run["prompt_tokens_by_source"].values()) == run["prefix_cache_queries"]
+        assert run["prefix_cache_hit_rate_by_source"]["local_cache_hit"] == run["prefix_cache_hit_rate"]
+    assert "offload_capacity_blocks" not in without
+    assert without["prefix_cache_hit_rate_by_source"]["external_kv_transfer"] == 0
+    assert tier["offload_capacity_blocks"] == 256 * 512 and tier["offload_capacity_tokens"] == 256 * 512 * 16
+    assert tier["prefix_cache_hit_rate_by_source"]["external_kv_transfer"] > 0.01
+    assert tier["prefix_cache_hits"] == without["prefix_cache_hits"]
+    assert tier["prompt_tokens_by_source"]["external_kv_transfer"] == tier["offload_blocks_loaded"] * 16
+    assert tier["offload_bytes_loaded"] == tier["offload_blocks_loaded"] * 2 * 2**20
+    assert max(tier["offload_stored_blocks"]) <= tier["offload_capacity_blocks"]
+    # each step pays max(loads, stores) x 2 MiB at 64 GB/s: loads and stores cross PCIe in both directions at once
+    one_way = (tier["offload_bytes_loaded"], tier["offload_bytes_stored"])
+    assert max(one_way) / 64e9 <= tier["offload_transfer_s"] <= sum(one_way) / 64e9
+
+
+@needs_traces
+def test_one_tier_size_reports_it_and_the_sweep_plot_is_drawn(tmp_path):
+    one = sim_json(*OFFLOAD_RUN, "--num-prompts", "40", "--kv-offloading-size", "8", "--kv-offloading-store", "compute")
+    assert one["kv_offloading_size"] == 8 and one["offload_store_rule"] == "compute"
+    assert one["offload_bandwidth_bytes_per_s"] == 64e9 and one["offload_blocks_stored"] > 0  # written through
+    png = tmp_path / "sweep.png"
+    r = kvledger("simulate", *OFFLOAD_RUN, "--num-prompts", "40", "--kv-offloading-size", "0,8", "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    assert "tier hits" in r.stdout and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("extra, needles", [
+    (("--kv-offloading-size", "8,x"), ("--kv-offloading-size", "not a number of GiB")),
+    (("--kv-offloading-size", "8,16", "--find-replicas"), ("--find-replicas takes one --kv-offloading-size",)),
+    (("--kv-offloading-size", "8", "--no-enable-prefix-caching"), ("needs prefix caching",)),
+    (("--kv-offloading-size", "1000000"), ("host memory", "--kv-offloading-size")),  # 5 x 10^8 slots to keep
+])
+@needs_traces
+def test_bad_tier_input_is_one_line_exit_2(extra, needles):
+    assert_one_line_error(kvledger("simulate", "llama-3.1-8b", "--gpu", "h100-80gb", "--workload", str(AZURE_CONV),
+                                   "--num-prompts", "5", *extra), *needles)

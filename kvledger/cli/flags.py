@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvledger.cli.common import fraction, positive_int
+from kvledger.cli.common import fraction, positive_int, rate
 from kvledger.config import (CUDA_BLOCK_SIZE, ENGINE_DTYPE, ENGINE_DTYPES, GPU_MEMORY_UTILIZATION,
                              MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, VLLM_BLOCK_SIZES)
 from kvledger.spec.dtypes import KV_CACHE_DTYPES
@@ -71,3 +71,49 @@ def add_mamba_ssm_cache_dtype(parser: argparse.ArgumentParser) -> None:
                         help="hybrid models: dtype of the SSM state, " + ", ".join(MAMBA_SSM_CACHE_DTYPES)
                              + " (default auto: the config's mamba_ssm_cache_dtype or mamba_ssm_dtype, the family's "
                                "default, else the model dtype); the conv state keeps the model dtype")
+
+
+MAX_KV_OFFLOADING_GIB = 2.0**40
+"""The largest ``--kv-offloading-size`` (GiB): beyond any host memory or disk."""
+
+
+def _gib(text: str, allow_zero: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    if not (0 <= value <= MAX_KV_OFFLOADING_GIB) or (value == 0 and not allow_zero):
+        raise argparse.ArgumentTypeError(f"must be {'zero or ' if allow_zero else ''}a positive number of GiB of at "
+                                         f"most 2^40, got {text}")
+    return value
+
+
+def kv_offloading_size(text: str) -> float:
+    """One ``--kv-offloading-size``: a positive number of GiB (2^30 bytes), as vLLM takes it."""
+    return _gib(text, allow_zero=False)
+
+
+def kv_offloading_sizes(text: str) -> tuple[float, ...]:
+    """A sweep of ``--kv-offloading-size``: GiB values separated by commas, 0 for no tier."""
+    return tuple(_gib(part.strip(), allow_zero=True) for part in text.split(","))
+
+
+def add_kv_offloading_size(parser, *, sweep: bool = False, default=None, help: str | None = None) -> None:
+    """vLLM's ``--kv-offloading-size`` in GiB of a second KV tier; ``sweep``: a comma-separated list."""
+    parser.add_argument("--kv-offloading-size", type=kv_offloading_sizes if sweep else kv_offloading_size,
+                        default=default, metavar="GIB[,GIB...]" if sweep else "GIB",
+                        help=help or "GiB (2^30 bytes) of a second KV tier in host memory, all ranks together "
+                                     "(vLLM's flag)")
+
+
+def add_kv_offloading_path(parser, *, help: str | None = None) -> None:
+    """``--kv-offloading-path DIR``: the second KV tier on disk, in this directory."""
+    parser.add_argument("--kv-offloading-path", metavar="DIR", default=None,
+                        help=help or "keep the second KV tier in files under DIR (disk) instead of host memory")
+
+
+def add_kv_offloading_bandwidth(parser, *, help: str | None = None) -> None:
+    """``--kv-offloading-bandwidth RATE``: one direction of the link the tier's copies cross."""
+    parser.add_argument("--kv-offloading-bandwidth", type=rate, default=None, metavar="RATE",
+                        help=help or "bytes/s one way of the link between the KV tiers, e.g. 25GB/s (default: the "
+                                     "card's host link in the GPU catalog, PCIe Gen4 or Gen5 x16)")

@@ -6,8 +6,10 @@ import argparse
 from typing import Any
 
 from kvledger.cli.common import fraction, positive_int, print_json, rate, size, token_count
-from kvledger.cli.flags import (add_block_size, add_gpu_memory_utilization, add_kv_cache_dtype, add_max_num_batched_tokens,
-                                add_max_num_seqs, add_mamba_ssm_cache_dtype, add_tensor_parallel_size)
+from kvledger.cli.flags import (add_block_size, add_gpu_memory_utilization, add_kv_cache_dtype,
+                                add_kv_offloading_bandwidth, add_kv_offloading_path, add_kv_offloading_size,
+                                add_max_num_batched_tokens, add_max_num_seqs, add_mamba_ssm_cache_dtype,
+                                add_tensor_parallel_size)
 from kvledger.config import (CUDA_BLOCK_SIZE, LARGE_CARD_MAX_NUM_BATCHED_TOKENS, LARGE_CARD_MAX_NUM_SEQS,
                              MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, VLLM_BLOCK_SIZES, PlannerConfig)
 from kvledger.planner.bandwidth import CROSSOVER_CONTEXT, DEFAULT_BANDWIDTH_EFFICIENCY
@@ -98,6 +100,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="tokens of system prompt every request shares (prefix-caching savings)")
     p.add_argument("--plot", metavar="FILE", help="write a PNG: users vs context, the memory wall and, with --workload, "
                                                   "the length histogram and the live tokens over the trace against the pool")
+    t = p.add_argument_group("second KV tier (vLLM's KV offloading)")
+    add_kv_offloading_size(t, help="GiB (2^30 bytes) of a second KV tier, all ranks together (vLLM's flag): its "
+                                   "blocks and tokens, the memory it takes, and loading a prefix of --context tokens "
+                                   f"(default {CROSSOVER_CONTEXT}) from it against computing it again")
+    add_kv_offloading_path(t)
+    add_kv_offloading_bandwidth(t)
     p.set_defaults(func=run)
 
 
@@ -141,10 +149,23 @@ def run(args: argparse.Namespace) -> int:
     from kvledger import planner
 
     spec, gpu = resolve(args)
-    plan = planner.plan(spec, gpu, planner_config(args), users=args.users, context=args.context,
+    # with a second tier, --context alone is the prefix to load (the bandwidth model takes it with --users)
+    context = None if args.kv_offloading_size and args.users is None else args.context
+    plan = planner.plan(spec, gpu, planner_config(args), users=args.users, context=context,
                         workload=args.workload, shared_prefix_tokens=args.shared_prefix_tokens,
                         bandwidth=args.bandwidth, bandwidth_efficiency=args.bandwidth_efficiency,
                         gpu_memory_given=args.gpu_memory is not None)
+    if args.kv_offloading_size:
+        from kvledger.planner.offload import plan_offload
+
+        from kvledger.sim.step_model import StepModel
+
+        wall = plan.wall
+        model = StepModel.from_gpu(spec, gpu, wall.kv_cache_dtype, wall.tensor_parallel_size)
+        plan.numbers.update(plan_offload(
+            spec, gpu, wall, args.kv_offloading_size, prefix_tokens=args.context or CROSSOVER_CONTEXT,
+            recompute_seconds=lambda t: model.prefill_seconds(t, wall.max_num_batched_tokens),
+            path=args.kv_offloading_path, bandwidth=args.kv_offloading_bandwidth))
     for warning in plan.numbers["warnings"]:
         print(f"kvledger plan: warning: {warning}", file=sys.stderr)
     if args.plot:
@@ -255,6 +276,8 @@ def print_plan(result) -> None:
         print(tabulate(rows, colalign=("left", "right")))
     if "workload" in plan:
         print_workload(plan["workload"], wall)
+    if "offload_capacity_blocks" in plan:
+        print_offload(plan)
     print()
     print(f"verdict: {plan['verdict']}" + (f" ({plan['verdict_term']})" if plan["verdict_term"] else "")
           + f": {plan['verdict_reason']}")
@@ -264,6 +287,28 @@ def print_plan(result) -> None:
         print(f"note: {note}")
     if plan.get("plot"):
         print(f"plot written to {plan['plot']}")
+
+
+def print_offload(plan: dict[str, Any]) -> None:
+    """The second tier's section of the text report."""
+    from tabulate import tabulate
+
+    from kvledger.units import format_bytes, format_rate
+
+    print()
+    rows = [(f"block ({plan['offload_copies']} rank{'s' if plan['offload_copies'] > 1 else ''}), "
+             "rounded up to the host page", f"{plan['offload_slot_bytes']:,}", format_bytes(plan["offload_slot_bytes"])),
+            ("blocks", f"{plan['offload_capacity_blocks']:,}", ""),
+            ("tokens", f"{plan['offload_capacity_tokens']:,}", ""),
+            (f"{plan['offload_medium']} it takes", f"{plan['offload_bytes']:,}", format_bytes(plan["offload_bytes"])),
+            (f"load {plan['offload_prefix_tokens']:,} tokens at {format_rate(plan['offload_bandwidth_bytes_per_s'])} "
+             f"({plan['offload_link']})", f"{plan['offload_load_s'] * 1e3:,.1f} ms", ""),
+            ("compute them again (step model, chunked prefill)", f"{plan['offload_recompute_s'] * 1e3:,.1f} ms",
+             f"{plan['offload_load_speedup']:.1f}x the load" if plan["offload_load_speedup"] else "")]
+    print(tabulate(rows, headers=[f"second KV tier: --kv-offloading-size {plan['offload_size_gib']:g} GiB", "", ""],
+                   colalign=("left", "right", "right"), disable_numparse=True))
+    for note in plan["offload_notes"]:
+        print(f"note: {note}")
 
 
 def _percentile_table(first: str, named: list[tuple[str, dict[str, float]]]) -> str:

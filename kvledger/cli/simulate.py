@@ -7,7 +7,8 @@ from typing import Any
 
 from kvledger.cli.common import (length_scale, positive_float, positive_int, seed, simulated_request_rate, size,
                                  time_scale)
-from kvledger.cli.flags import (add_block_size, add_gpu_memory_utilization, add_kv_cache_dtype, add_max_num_batched_tokens,
+from kvledger.cli.flags import (add_block_size, add_gpu_memory_utilization, add_kv_cache_dtype,
+                                add_kv_offloading_bandwidth, add_kv_offloading_size, add_max_num_batched_tokens,
                                 add_max_num_seqs, add_tensor_parallel_size)
 from kvledger.config import SimulatorConfig
 
@@ -68,18 +69,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_tensor_parallel_size(g)
     g.add_argument("--vllm-version", metavar="X.Y", default=SIMULATOR.vllm_version,
                    help="hybrid models: the vLLM release whose pool rules to follow (default the newest modeled)")
+    t = p.add_argument_group("second KV tier (host memory under each replica's pool)")
+    add_kv_offloading_size(t, sweep=True, default=SIMULATOR.kv_offloading_size,
+                           help="GiB (2^30 bytes) of a second KV tier per replica, vLLM's flag; a list sweeps it, one "
+                                "run per size (0: no tier)")
+    add_kv_offloading_bandwidth(t, help="bytes/s one way of the host link the tier's loads and stores cross, charged "
+                                        "to the step that needs them (default: the card's, from the GPU catalog)")
+    from kvledger.kvcache.offload import EVICTION_POLICIES, STORE_RULES
+
+    t.add_argument("--kv-offloading-eviction-policy", choices=EVICTION_POLICIES,
+                   default=SIMULATOR.kv_offloading_eviction_policy,
+                   help=f"the tier's eviction policy, vLLM's (default {SIMULATOR.kv_offloading_eviction_policy})")
+    t.add_argument("--kv-offloading-store", choices=STORE_RULES, default=SIMULATOR.kv_offloading_store,
+                   help="what the tier stores: 'compute', a prompt's full blocks as computed (vLLM's), or 'evict', a "
+                        f"block when the pool evicts it (default {SIMULATOR.kv_offloading_store})")
     p.add_argument("--json", action="store_true", help="print every number as one JSON object")
-    p.add_argument("--plot", metavar="FILE", help="PNG: KV blocks vs the pool, running/waiting, TTFT and TPOT CDFs")
+    p.add_argument("--plot", metavar="FILE", help="PNG: KV blocks vs the pool, running/waiting, TTFT and TPOT CDFs; "
+                                                  "with several --kv-offloading-size, hit rate and TTFT against size")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: on a terminal, for runs of 2,000+ requests)")
     p.set_defaults(func=run)
 
 
-def setup(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """(ModelSpec, Fleet, SLO or None) from the flags; every bad value is a KVLedgerError."""
+def setup(args: argparse.Namespace, kv_offloading_size: float = 0) -> tuple[Any, Any, Any]:
+    """(ModelSpec, Fleet, SLO or None) from the flags, with a second tier of ``kv_offloading_size``
+    GiB (0: none); every bad value is a KVLedgerError."""
     from kvledger.sim.setup import setup_fleet
 
-    return setup_fleet(SimulatorConfig.of(args), slo=args.slo, find_replicas=args.find_replicas)
+    return setup_fleet(SimulatorConfig.of(args), slo=args.slo, find_replicas=args.find_replicas,
+                       kv_offloading_size=kv_offloading_size)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,7 +112,13 @@ def run(args: argparse.Namespace) -> int:
         from kvledger.plotting import pyplot
 
         plt = pyplot(args.plot)  # a bad name or a missing matplotlib fails before the run
-    spec, fleet, slo = setup(args)
+    sizes = args.kv_offloading_size or (0,)
+    if len(sizes) > 1 and args.find_replicas:
+        from kvledger.errors import KVLedgerError
+
+        raise KVLedgerError("--find-replicas takes one --kv-offloading-size")
+    fleets = [setup(args, gib) for gib in sizes]  # every size refused before any run
+    spec, fleet, slo = fleets[0]
     max_len = max_request_len(spec, fleet, args.max_model_len)
     trace = read_trace(args.workload)
     sampled, times = sample_requests(trace, args.num_prompts, seed=args.seed, sample=args.sample,
@@ -116,6 +140,13 @@ def run(args: argparse.Namespace) -> int:
                    headroom=_headroom(res.extra["slo"]),
                    below={"replicas": n - 1, "slo_met": below.extra["slo"]["slo_met"],
                           "slo": below.extra["slo"]} if below is not None else None)
+    elif len(sizes) > 1:
+        runs = []
+        for _, sized, _ in fleets:
+            run_out = summary(simulate(make(), sized, progress=args.progress, slo=slo), sized)
+            run_out.pop("series")
+            runs.append(run_out)
+        out = {"kv_offloading_sizes": list(sizes), "runs": runs}
     else:
         res = simulate(make(), fleet, progress=args.progress, slo=slo)
         out = summary(res, fleet)
@@ -124,14 +155,41 @@ def run(args: argparse.Namespace) -> int:
                request_rate=args.request_rate,
                seed=args.seed, max_model_len=max_len)
     if plt is not None:
-        from kvledger.sim.plot import plot_run
+        from kvledger.sim.plot import plot_offload_sweep, plot_run
 
-        plot_run(res, fleet, args.plot)
+        if "runs" in out:
+            plot_offload_sweep(out, args.plot)
+        else:
+            plot_run(res, fleet, args.plot)
     if args.json:
         print_json(out)
     else:
-        print(report(out))
+        print(sweep_report(out) if "runs" in out else report(out))
     return 0
+
+
+def sweep_report(out: dict[str, Any]) -> str:
+    """The text report of a sweep of the second tier's size: one row per size."""
+    from tabulate import tabulate
+
+    first = out["runs"][0]
+    lines = [f"{out['num_prompts']} requests from {out['trace']} (lengths x{out['length_scale']:g}, rate "
+             f"{out['request_rate']}) on {first['replicas']} x {out['model']} ({out['step_model']}, TP "
+             f"{first['tensor_parallel_size']}), router {first['router']}",
+             f"pool {first['num_blocks']:,} blocks x {first['block_size']} tokens per replica; second tier per replica:", ""]
+    rows = []
+    for r in out["runs"]:
+        rate = r["prefix_cache_hit_rate_by_source"]
+        rows.append([f"{r['kv_offloading_size']:g}", f"{r.get('offload_capacity_blocks', 0):,}",
+                     f"{rate['local_cache_hit']:.1%}", f"{rate['external_kv_transfer']:.1%}",
+                     f"{rate['local_cache_hit'] + rate['external_kv_transfer']:.1%}",
+                     f"{r['ttft_ms']['p50']:.0f}", f"{r['ttft_ms']['p99']:.0f}", f"{r['tpot_ms']['p50']:.1f}",
+                     f"{(r.get('offload_bytes_loaded', 0)) / 2**30:,.1f}", f"{(r.get('offload_bytes_stored', 0)) / 2**30:,.1f}",
+                     f"{r['num_preemptions']}"])
+    lines.append(tabulate(rows, headers=["GiB", "blocks", "pool hits", "tier hits", "all hits", "TTFT p50 ms",
+                                         "TTFT p99 ms", "TPOT p50 ms", "GiB loaded", "GiB stored", "preemptions"],
+                          disable_numparse=True, colalign=["right"] * 11))
+    return "\n".join(lines)
 
 
 def _headroom(slo: dict[str, Any]) -> dict[str, float]:
@@ -156,6 +214,12 @@ def report(out: dict[str, Any]) -> str:
               f"goodput {out['goodput']:.2f} req/s",
               f"preemptions {out['num_preemptions']}, prefix-cache hit rate {out['prefix_cache_hit_rate']:.1%}, "
               f"peak blocks allocated {out['peak_blocks_allocated']:,} of {out['num_blocks']:,}"]
+    if "offload_capacity_blocks" in out:
+        rate = out["prefix_cache_hit_rate_by_source"]
+        lines.append(f"second tier {out['kv_offloading_size']:g} GiB ({out['offload_capacity_blocks']:,} blocks): "
+                     f"{rate['external_kv_transfer']:.1%} of prompt tokens loaded from it; "
+                     f"{out['offload_bytes_loaded'] / 2**30:,.1f} GiB loaded, "
+                     f"{out['offload_bytes_stored'] / 2**30:,.1f} GiB stored, {out['offload_transfer_s']:.1f} s of copies")
     if len(out["per_replica"]) > 1:
         lines.append("per replica hit rate: " + ", ".join(f"{r['prefix_cache_hit_rate']:.1%}"
                                                           for r in out["per_replica"]))

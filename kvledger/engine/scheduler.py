@@ -6,7 +6,9 @@ of its remaining prompt (chunked prefill). When the pool cannot give a running r
 blocks it needs, the most recently admitted running request is preempted by recompute: its
 blocks go back to the pool (their full blocks stay in the prefix cache) and it rejoins the
 front of the waiting queue. Waiting requests are then admitted first come, first served while
-budget, ``max_num_seqs`` and free blocks last, starting from their longest cached prefix.
+budget, ``max_num_seqs`` and free blocks last, starting from their longest cached prefix (in the
+pool, then in the KV offloading tier where there is one: the copies between the tiers that the
+step needs are its output's ``kv_transfers``, to be run before the model).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 from kvledger.config import EngineConfig
 from kvledger.kvcache.manager import KVCacheManager
+from kvledger.kvcache.offload import KVTransfers
 from kvledger.engine.sequence import Request, RequestStatus
 
 
@@ -34,6 +37,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    kv_transfers: KVTransfers | None = None
+    """Copies between the KV cache's tiers to run before this step's model run (None without a tier)."""
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +62,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        kv = self.kv
+        if kv.offload is None:
+            return self._schedule()
+        kv.begin_step()
+        out = self._schedule()
+        out.kv_transfers = kv.take_transfers()
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         running, allocate_slots, scheduled = self.running, self.kv.allocate_slots, out.scheduled  # hot loop
@@ -88,9 +102,10 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            self.kv.record_admission(request, hit_tokens)
+            offloaded = self.kv.record_admission(request, hit_tokens)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = hit_tokens
+                request.num_offloaded_tokens = offloaded
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))

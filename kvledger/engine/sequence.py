@@ -35,7 +35,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    num_cached_tokens: int = -1  # prefix-cache hit of the first admission, in tokens
+    num_cached_tokens: int = -1  # prefix-cache hit of the first admission, in tokens (both tiers)
+    num_offloaded_tokens: int = -1  # of num_cached_tokens, those loaded from the KV offloading tier
     num_preemptions: int = 0
     generator: Any = None  # torch.Generator for sampling: the request's seed, else the engine's (None: torch's)
     # incremental detokenization state
@@ -49,6 +50,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

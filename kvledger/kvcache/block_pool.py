@@ -17,7 +17,7 @@ import hashlib
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from kvledger.errors import KVLedgerError
 
@@ -68,6 +68,9 @@ class BlockPool:
         self._num_cached_free = 0  # free blocks that still carry a hash, kept up to date by every change
         self._changed: list[int] = []  # blocks that lost their prefix or entered/left the free queue (bounded)
         self._changed_base = 0  # changes before _changed[0]
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
+        """Called with (block id, hash) when :meth:`allocate` reuses a block that still holds a cached
+        prefix, before the prefix is forgotten (a second tier that stores what the pool evicts)."""
 
     @staticmethod
     def check_size(num_blocks: int) -> None:
@@ -132,10 +135,13 @@ class BlockPool:
             raise KVLedgerError(f"asked for {n} KV blocks but only {len(self._free)} are free")
         out = []
         log = self._changed
+        on_evict = self.on_evict
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
+                if on_evict is not None:
+                    on_evict(block_id, block.block_hash)
                 self._num_cached_free -= 1
                 del self._cached[block.block_hash]
                 block.block_hash = None

@@ -13,6 +13,12 @@ one KV-cache group; a *slot* is one token's place in a block: ``block * block_si
   table; it speaks to the scheduler in requests (:class:`SequenceLike` below), never in
   tensors. Its operations are :class:`PrefixCacheManager`'s.
 * :mod:`~kvledger.kvcache.groups`: which layers share a block table (sliding windows).
+* :class:`~kvledger.kvcache.offload.OffloadStore`: the second tier (host memory or disk) under
+  the pool, slots keyed by the same block hashes, LRU or ARC. With one, the manager matches a
+  prefix in the pool, then in the tier, and each :class:`~kvledger.engine.scheduler.SchedulerOutput`
+  carries the step's :class:`~kvledger.kvcache.offload.KVTransfers`: ``StoreBlock(block_id,
+  block_hash, slot)`` and ``LoadBlock(slot, block_id, block_hash)``, to run (stores, then loads)
+  before the step's model run. Tier-2 sizes come from :func:`kvledger.spec.offload.tier_capacity`.
 
 **Storage** (torch): :class:`~kvledger.kvcache.storage.KVCache` and its 8-bit variants
 (:mod:`~kvledger.kvcache.quantized_storage`, formats in :mod:`~kvledger.kvcache.quantization`)
@@ -29,8 +35,8 @@ BlockHash = bytes
 
 
 class SequenceLike(Protocol):
-    """What the cache reads of a request: its id, its length, how much of it is in the cache,
-    and the key of each full block. The engine's :class:`~kvledger.engine.sequence.Request`
+    """What the cache reads of a request: its id, its length and its prompt's, how much of it is in
+    the cache, and the key of each full block. The engine's :class:`~kvledger.engine.sequence.Request`
     and the simulator's length-only requests are both this."""
 
     request_id: str
@@ -38,6 +44,9 @@ class SequenceLike(Protocol):
 
     @property
     def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
 
     def block_hash(self, parent: BlockHash | None, index: int, block_size: int) -> BlockHash: ...
 

@@ -15,6 +15,14 @@ sliding-window group holds only the blocks that still hold one of the last ``win
 present in every group: all of the prefix for a full-attention group, only the blocks the
 window still needs for a sliding one. A model without sliding layers has one full group and
 takes the single-group paths unchanged.
+
+**The second tier** (:mod:`kvledger.kvcache.offload`): with an :class:`OffloadStore`, a prefix is
+matched in the pool, then, from the first block the pool misses, in tier 2. Tier-2 hits are loaded
+into blocks allocated for them at admission, count as cached tokens (``external_kv_transfer``)
+and enter the pool's prefix cache like any computed block. What is stored when is the store rule
+(:data:`~kvledger.kvcache.offload.STORE_RULES`). Every copy between the tiers is an event of the
+step's :class:`KVTransfers` (:meth:`KVCacheManager.take_transfers`), which the engine executes and
+the simulator prices. Single-group models only.
 """
 
 from __future__ import annotations
@@ -23,23 +31,44 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Iterable, Sequence
 
+from kvledger.errors import KVLedgerError
 from kvledger.kvcache.block_pool import BlockHash, BlockPool, blocks_for
 from kvledger.kvcache.groups import FULL_ATTENTION, NULL_BLOCK, KVCacheGroup, first_live_block
 from kvledger.kvcache.interface import SequenceLike as Request
+from kvledger.kvcache.offload import (STORE_ON_COMPUTE, STORE_ON_EVICT, STORE_RULES, KVTransfers, LoadBlock,
+                                      OffloadStore, StoreBlock)
+
+LOCAL_COMPUTE = "local_compute"
+LOCAL_CACHE_HIT = "local_cache_hit"
+EXTERNAL_KV_TRANSFER = "external_kv_transfer"
+PROMPT_TOKEN_SOURCES = (LOCAL_COMPUTE, LOCAL_CACHE_HIT, EXTERNAL_KV_TRANSFER)
+"""vLLM's ``source`` labels of ``vllm:prompt_tokens_by_source`` (``v1/metrics/stats.py``,
+``PromptTokenStats.ALL_SOURCES``): computed here, found in the pool (tier 1), loaded from
+the offloading tier (tier 2)."""
 
 
 @dataclass
 class PrefixCacheStats:
-    """vLLM's counting: ``queries`` = tokens of admitted requests, ``hits`` = of those found cached."""
+    """vLLM's counting: ``queries`` = tokens of admitted requests, ``hits`` = of those found in the
+    pool; ``offload_queries`` = the tokens then asked of tier 2 (all past the pool's hit),
+    ``offload_hits`` = of those loaded from it (vLLM's ``external_prefix_cache_*``)."""
 
     queries: int = 0
     hits: int = 0
+    offload_queries: int = 0
+    offload_hits: int = 0
+
+    def by_source(self) -> dict[str, int]:
+        """Tokens of admitted requests per vLLM ``prompt_tokens_by_source`` label."""
+        return {LOCAL_COMPUTE: self.queries - self.hits - self.offload_hits, LOCAL_CACHE_HIT: self.hits,
+                EXTERNAL_KV_TRANSFER: self.offload_hits}
 
 
 class KVCacheManager:
     """Block tables, chained block hashes and allocation for the scheduler."""
 
-    def __init__(self, pool: BlockPool, block_size: int, groups: Sequence[KVCacheGroup] | None = None) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, groups: Sequence[KVCacheGroup] | None = None,
+                 offload: OffloadStore | None = None, store_rule: str = STORE_ON_EVICT) -> None:
         self.pool = pool
         self.block_size = block_size
         self.groups: tuple[KVCacheGroup, ...] = tuple(groups) if groups else (KVCacheGroup(FULL_ATTENTION, ()),)
@@ -57,6 +86,26 @@ class KVCacheManager:
         set, how many of them are free)."""
         self.blocks_allocated_peak = [0] * len(self.groups)
         self.stats = PrefixCacheStats()
+        self.offload = offload
+        """Tier 2, or None."""
+        self.store_rule = store_rule
+        self._offload_hits: dict[str, tuple[int, list[BlockHash]]] = {}
+        """Per request being admitted: (pool hits, the tier-2 hashes after them) of its last lookup."""
+        self._admitted_split: dict[str, tuple[int, int]] = {}
+        """Per request just admitted: (tokens from the pool, tokens loaded from tier 2)."""
+        self._pending_stores: list[tuple[int, BlockHash]] = []
+        """Blocks hashed for the step being run, stored into tier 2 when it has run (store on compute)."""
+        self._transfers = KVTransfers()
+        if offload is not None:
+            if self.hybrid:
+                raise KVLedgerError("KV offloading is not supported for models with sliding-window layers")
+            if not pool.enable_caching:
+                raise KVLedgerError("KV offloading needs prefix caching (--enable-prefix-caching)")
+            if store_rule not in STORE_RULES:
+                raise KVLedgerError(f"unknown KV offloading store rule {store_rule!r}; use one of "
+                                    f"{', '.join(STORE_RULES)}")
+            if store_rule == STORE_ON_EVICT:
+                pool.on_evict = self._store_evicted
 
     @staticmethod
     def _key(block_hash: BlockHash, group: int) -> BlockHash:
@@ -86,10 +135,20 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
-        pool, rid = self.pool, request.request_id
         max_blocks = (request.num_tokens - 1) // self.block_size
         if self.hybrid:
             return self._hybrid_hit(self._block_hashes(request, max_blocks))
+        hits, tokens = self._pool_hit(request, max_blocks)
+        if self.offload is None:
+            return hits, tokens
+        hashes = self._block_hashes(request, max_blocks)
+        more = hashes[len(hits):len(hits) + len(self.offload.match(islice(hashes, len(hits), None)))]
+        self._offload_hits[request.request_id] = (len(hits), more)
+        return hits, tokens + len(more) * self.block_size
+
+    def _pool_hit(self, request: Request, max_blocks: int) -> tuple[list[int], int]:
+        """:meth:`get_computed_blocks` in the pool alone (memoised)."""
+        pool, rid = self.pool, request.request_id
         hashes = self._block_hashes(request, max_blocks)
         memo = self._lookups.get(rid)
         blocks = pool.blocks
@@ -165,6 +224,10 @@ class KVCacheManager:
                 self._cache_full_blocks(request, total_tokens)
             return True
         computed_blocks = computed_blocks or []
+        loads = self._offload_hits.pop(request.request_id, None) if table is None and self.offload is not None else None
+        if loads is not None and (loads[0] != len(computed_blocks) or request.num_computed_tokens
+                                  != (loads[0] + len(loads[1])) * self.block_size):
+            loads = None  # not the lookup this admission was given
         table = table if table is not None else []
         need = self.num_blocks_needed(total_tokens) - len(table) - len(computed_blocks)
         # hits that are currently free leave the free queue when touched
@@ -177,12 +240,21 @@ class KVCacheManager:
         if request.request_id not in self.block_tables:
             self.block_tables[request.request_id] = table
             self._num_cached[request.request_id] = 0
+        if loads is not None and loads[1]:
+            self.offload.load(loads[1])  # pinned before the allocation below can evict from tier 2
         if computed_blocks:
             self.pool.touch(computed_blocks)
             table.extend(computed_blocks)
             self._num_cached[request.request_id] = len(computed_blocks)
         if need > 0:
-            table.extend(self.pool.allocate(need))
+            fresh = self.pool.allocate(need)
+            table.extend(fresh)
+            if loads is not None and loads[1]:
+                lookup = self.offload.lookup
+                self._transfers.loads.extend(LoadBlock(lookup(h), b, h) for h, b in zip(loads[1], fresh))
+        if loads is not None:
+            self._admitted_split[request.request_id] = (len(computed_blocks) * self.block_size,
+                                                        len(loads[1]) * self.block_size)
         self._cache_full_blocks(request, total_tokens)
         return True
 
@@ -267,9 +339,59 @@ class KVCacheManager:
             self._num_cached[rid] = full
             return
         table = self.block_tables[rid]
-        for i in range(done, full):
-            self.pool.cache(table[i], hashes[i])
+        if self.offload is not None and self.store_rule == STORE_ON_COMPUTE:
+            prompt_blocks = min(full, request.num_prompt_tokens // self.block_size)  # vLLM: the prompt only
+            for i in range(done, full):
+                if self.pool.cache(table[i], hashes[i]) and i < prompt_blocks:
+                    self._pending_stores.append((table[i], hashes[i]))
+        else:
+            for i in range(done, full):
+                self.pool.cache(table[i], hashes[i])
         self._num_cached[rid] = full
+
+    # ---- the second tier -----------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Before a step is scheduled: the blocks the previous step computed are written now, so
+        (store on compute) each gets a tier-2 slot and a store event, ahead of any allocation that
+        could reuse its block. A block that lost its hash since (a failed step) is skipped."""
+        if not self._pending_stores:
+            return
+        blocks, store, stores = self.pool.blocks, self.offload.store, self._transfers.stores
+        for block_id, block_hash in self._pending_stores:
+            if blocks[block_id].block_hash == block_hash:
+                slot = store(block_hash)
+                if slot is not None:
+                    stores.append(StoreBlock(block_id, block_hash, slot))
+        self._pending_stores.clear()
+
+    def _store_evicted(self, block_id: int, block_hash: BlockHash) -> None:
+        """Store on evict: the pool is about to reuse a cached block; copy it to tier 2 first."""
+        slot = self.offload.store(block_hash)
+        if slot is not None:
+            self._transfers.stores.append(StoreBlock(block_id, block_hash, slot))
+
+    def take_transfers(self) -> KVTransfers | None:
+        """The copies the step just scheduled needs, stores first (None without tier 2). Taking them
+        unpins the slots their loads read: the caller runs them before anything is scheduled again."""
+        if self.offload is None:
+            return None
+        out, self._transfers = self._transfers, KVTransfers()
+        self.offload.unpin_all()
+        return out
+
+    def abort_transfers(self, transfers: KVTransfers) -> None:
+        """A step's copies failed: forget what they would have made true (the loaded blocks' pool
+        entries, the stored slots' tier-2 entries). The requests the loads were for hold blocks
+        without their K/V: the caller ends or preempts them."""
+        self.pool.uncache(load.block_id for load in transfers.loads)
+        for store in transfers.stores:
+            self.offload.drop(store.block_hash)
+
+    def reset_offload(self) -> None:
+        """Forget every block of tier 2 (with :meth:`BlockPool.reset_prefix_cache`, as vLLM does)."""
+        if self.offload is not None:
+            self.offload.reset()
+            self._pending_stores.clear()
 
     def uncache_unwritten(self, request: Request, num_new_tokens: int) -> None:
         """Drop the prefix-cache entries of the blocks that the request's next ``num_new_tokens``
@@ -286,12 +408,22 @@ class KVCacheManager:
             table = tables.get(request.request_id, [])
             self.pool.uncache(b for b in table[first:end] if b != NULL_BLOCK)
 
-    def record_admission(self, request: Request, num_hit_tokens: int) -> None:
-        """Count an admission in the prefix-cache stats (queries and hits in tokens)."""
-        self._lookups.pop(request.request_id, None)
-        if self.enable_caching:
-            self.stats.queries += request.num_tokens
-            self.stats.hits += num_hit_tokens
+    def record_admission(self, request: Request, num_hit_tokens: int) -> int:
+        """Count an admission in the prefix-cache stats (queries and hits in tokens); returns how
+        many of its ``num_hit_tokens`` were loaded from tier 2."""
+        rid = request.request_id
+        self._lookups.pop(rid, None)
+        if not self.enable_caching:
+            return 0
+        local, offloaded = self._admitted_split.pop(rid, (num_hit_tokens, 0))
+        assert local + offloaded == num_hit_tokens, (rid, local, offloaded, num_hit_tokens)
+        stats = self.stats
+        stats.queries += request.num_tokens
+        stats.hits += local
+        if self.offload is not None:
+            stats.offload_queries += request.num_tokens - local
+            stats.offload_hits += offloaded
+        return offloaded
 
     def free(self, request: Request) -> None:
         """Return a request's blocks to the pool, tail first so shared prefixes are evicted last.
@@ -304,11 +436,14 @@ class KVCacheManager:
             self.pool.free(reversed(table) if not self.hybrid else [b for b in reversed(table) if b != NULL_BLOCK])
             self._first_live[g].pop(rid, None)
         self._num_cached.pop(rid, None)
+        self._offload_hits.pop(rid, None)
+        self._admitted_split.pop(rid, None)
 
     def forget(self, request_id: str) -> None:
         """Drop memoised hashes of a request that left the engine."""
         self._hashes.pop(request_id, None)
         self._lookups.pop(request_id, None)
+        self._offload_hits.pop(request_id, None)
 
     def tokens_used(self, running: Iterable[Request]) -> int:
         """Tokens with K/V in allocated blocks, a shared block counted once; O(running requests).
@@ -358,6 +493,11 @@ class KVCacheManager:
         back are exactly the leading :data:`NULL_BLOCK` entries and no block sits in two groups."""
         if not self.hybrid:
             self.pool.check_integrity(self.block_tables)
+            if self.offload is not None:
+                self.offload.check_integrity()
+                for load in self._transfers.loads:  # a pending load reads the slot of its hash into a held block
+                    assert self.offload.lookup(load.block_hash) == load.slot, f"load from a reused slot {load}"
+                    assert self.pool.blocks[load.block_id].ref_cnt > 0, f"load into a free block {load}"
             return
         owners: dict[str, list[int]] = {}
         seen: dict[int, int] = {}

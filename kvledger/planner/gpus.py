@@ -2,7 +2,8 @@
 
 ``memory_bytes`` is what the device reports to the framework (``torch.cuda`` total memory),
 not the marketing figure: an "80 GB" H100 reports about 79.19 GiB. Bandwidth is bytes per
-second of HBM/GDDR; FLOP/s are dense (no sparsity) vendor peaks.
+second of HBM/GDDR; FLOP/s are dense (no sparsity) vendor peaks; the host link is bytes per
+second in one direction.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ class GPU:
     """FP8 in hardware: NVIDIA SM >= 8.9, AMD CDNA 3."""
     memory_source: str
     spec_source: str
+    host_link: str
+    """The link to host memory, e.g. ``PCIe Gen5 x16``."""
+    host_link_bytes_per_s: float
+    """One direction of :attr:`host_link` (the datasheet's bidirectional figure halved): the rate of
+    loads from, and of stores to, a KV offloading tier in host memory."""
+    host_link_source: str
 
     @property
     def sm(self) -> str:

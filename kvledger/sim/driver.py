@@ -28,7 +28,9 @@ from kvledger.kvcache.manager import KVCacheManager
 from kvledger.engine.outputs import StepRecord
 from kvledger.engine.scheduler import Scheduler, SchedulerOutput
 from kvledger.errors import KVLedgerError
+from kvledger.kvcache.offload import OffloadStore
 from kvledger.sim.hybrid import HybridKVCacheManager, HybridPool
+from kvledger.sim.offload import OffloadTier, OffloadTraffic
 from kvledger.sim.requests import SimRequest
 
 
@@ -70,7 +72,8 @@ class Replica:
     """One engine's scheduling state on a virtual clock."""
 
     def __init__(self, index: int, config: EngineConfig, num_blocks: int, timer: StepTimer,
-                 record_steps: bool = False, series_interval_s: float = 0.0, hybrid: HybridPool | None = None) -> None:
+                 record_steps: bool = False, series_interval_s: float = 0.0, hybrid: HybridPool | None = None,
+                 offload: OffloadTier | None = None) -> None:
         self.index = index
         self.config = config
         if hybrid is not None:  # a hybrid's requests also hold state blocks (kvledger.sim.hybrid)
@@ -78,7 +81,13 @@ class Replica:
             self.kv: KVCacheManager = HybridKVCacheManager(self.pool, config.block_size, hybrid)
         else:
             self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
-            self.kv = KVCacheManager(self.pool, config.block_size)
+            if offload is None:
+                self.kv = KVCacheManager(self.pool, config.block_size)
+            else:
+                self.kv = KVCacheManager(self.pool, config.block_size, store_rule=offload.store_rule,
+                                         offload=OffloadStore(offload.capacity.num_blocks, offload.policy))
+        self.offload = offload
+        self.offload_traffic = OffloadTraffic()
         self.scheduler = Scheduler(config, self.kv)
         self.timer = timer
         self.num_steps = 0
@@ -124,6 +133,10 @@ class Replica:
             if r.num_computed_tokens + n == r.num_tokens:  # ScheduledRequest.samples, inlined
                 samplers.append(r)
         seconds = self.timer.step_seconds(batch, len(self._samplers))
+        if out.kv_transfers:  # copies between the tiers, before the model run
+            copy_s = self.offload.seconds(out.kv_transfers)
+            self.offload_traffic.add(out.kv_transfers, copy_s)
+            seconds += copy_s
         if not (seconds >= 0 and math.isfinite(seconds)):
             raise KVLedgerError(f"the step model priced a step at {seconds} s")
         if self.records is not None:

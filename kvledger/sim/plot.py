@@ -36,3 +36,32 @@ def plot_run(res: Any, fleet: Any, path: str) -> None:
         ax.grid(alpha=0.3)
     fig.suptitle(f"{len(res.requests)} requests, {fleet.replicas} replica(s), router {fleet.router}")
     save_png(fig, path)
+
+
+def plot_offload_sweep(out: dict[str, Any], path: str) -> None:
+    """``simulate --kv-offloading-size A,B,... --plot``: the prefix-cache hit rate by source (pool,
+    second tier) and TTFT p50/p99 against the second tier's size in GiB."""
+    plt = pyplot(path)
+    runs = out["runs"]
+    gib = [r["kv_offloading_size"] for r in runs]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    pool = np.array([r["prefix_cache_hit_rate_by_source"]["local_cache_hit"] for r in runs]) * 100
+    tier = np.array([r["prefix_cache_hit_rate_by_source"]["external_kv_transfer"] for r in runs]) * 100
+    left.stackplot(gib, pool, tier, labels=["pool (local_cache_hit)", "second tier (external_kv_transfer)"], alpha=0.8)
+    left.set(title="prefix-cache hit rate by source", xlabel="--kv-offloading-size (GiB per replica)",
+             ylabel="% of prompt tokens looked up")
+    left.legend(fontsize=8, loc="upper left")
+    for q in ("p50", "p99"):
+        right.plot(gib, [r["ttft_ms"][q] / 1e3 for r in runs], marker="o", label=f"TTFT {q}")
+    right.set(title="TTFT", xlabel="--kv-offloading-size (GiB per replica)", ylabel="seconds")
+    right.legend(fontsize=8)
+    right.set_yscale("log")
+    positive = [g for g in gib if g > 0]
+    for ax in (left, right):
+        if positive:  # sizes grow by factors: a log axis, linear below the smallest size so 0 (no tier) shows
+            ax.set_xscale("symlog", linthresh=min(positive))
+        ax.set_xticks(gib, [f"{g:g}" for g in gib])
+        ax.set_xlim(min(gib), max(gib))
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{out['model']} ({out['step_model']}), {out['num_prompts']} requests from {out['trace']}")
+    save_png(fig, path)

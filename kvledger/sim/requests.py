@@ -64,6 +64,10 @@ class SimRequest(Request):
     def __post_init__(self) -> None:
         self.num_tokens = self.prompt_len + self.num_output
 
+    @property
+    def num_prompt_tokens(self) -> int:  # type: ignore[override]
+        return self.prompt_len
+
     def block_content(self, index: int, block_size: int) -> Sequence[int]:
         start, end = index * block_size, (index + 1) * block_size
         if end <= self.prompt_len:

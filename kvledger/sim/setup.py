@@ -15,10 +15,11 @@ DEFAULT_FIND_SLO = "ttft_p99=2s,tpot_p99=100ms"
 """The targets the search for the smallest replica count meets when none are given."""
 
 
-def setup_fleet(config: SimulatorConfig, *, slo: str | None = None,
-                find_replicas: bool = False) -> tuple[ModelSpec, Fleet, SLO | None]:
+def setup_fleet(config: SimulatorConfig, *, slo: str | None = None, find_replicas: bool = False,
+                kv_offloading_size: float = 0) -> tuple[ModelSpec, Fleet, SLO | None]:
     """(ModelSpec, Fleet, SLO or None) for ``config``; ``slo`` names the targets (``DEFAULT_FIND_SLO``
-    when ``find_replicas`` and none is given). Every bad value is a KVLedgerError."""
+    when ``find_replicas`` and none is given); ``kv_offloading_size`` GiB of a second tier per
+    replica (one value of ``config.kv_offloading_size``; 0: none). Every bad value is a KVLedgerError."""
     from kvledger.sim.step_model import Profile, StepModel
 
     if config.router not in ROUTERS:
@@ -28,6 +29,7 @@ def setup_fleet(config: SimulatorConfig, *, slo: str | None = None,
     tp = config.tensor_parallel_size
     block_size = config.block_size
     hybrid = None
+    gpu = None
     if config.profile and spec.is_hybrid:
         raise KVLedgerError(f"{spec.name} is a hybrid model: step profiles of hybrids are not modeled; use --gpu")
     if config.profile:
@@ -69,8 +71,31 @@ def setup_fleet(config: SimulatorConfig, *, slo: str | None = None,
                           max_num_batched_tokens=config.max_num_batched_tokens,
                           enable_prefix_caching=config.enable_prefix_caching, num_gpu_blocks_override=num_blocks,
                           max_model_len=config.max_model_len)
-    fleet = Fleet(engine, num_blocks, lambda: model, config.replicas, config.router, tp, hybrid=hybrid)
+    offload = offload_tier(spec, config, kv_dtype, block_size, gpu, kv_offloading_size) if kv_offloading_size else None
+    fleet = Fleet(engine, num_blocks, lambda: model, config.replicas, config.router, tp, hybrid=hybrid,
+                  offload=offload)
     return spec, fleet, targets
+
+
+def offload_tier(spec: ModelSpec, config: SimulatorConfig, kv_dtype: str, block_size: int, gpu, size_gib: float):
+    """A replica's second tier of ``size_gib`` GiB: vLLM's block count for this model's blocks, the
+    host link of ``gpu`` unless ``config.kv_offloading_bandwidth`` names one."""
+    from kvledger.kvcache.offload import EVICTION_POLICIES, STORE_RULES
+    from kvledger.sim.offload import OffloadTier
+    from kvledger.spec.offload import tier_capacity
+
+    if config.kv_offloading_eviction_policy not in EVICTION_POLICIES:
+        raise KVLedgerError(f"--kv-offloading-eviction-policy must be one of {', '.join(EVICTION_POLICIES)}")
+    if config.kv_offloading_store not in STORE_RULES:
+        raise KVLedgerError(f"--kv-offloading-store must be one of {', '.join(STORE_RULES)}")
+    if not config.enable_prefix_caching:
+        raise KVLedgerError("a KV offloading tier needs prefix caching (--enable-prefix-caching)")
+    bandwidth = config.kv_offloading_bandwidth or (gpu.host_link_bytes_per_s if gpu is not None else None)
+    if bandwidth is None:
+        raise KVLedgerError("a step profile names no host link: give --kv-offloading-bandwidth with "
+                            "--kv-offloading-size")
+    capacity = tier_capacity(spec, kv_dtype, block_size, size_gib, config.tensor_parallel_size)
+    return OffloadTier(capacity, bandwidth, config.kv_offloading_eviction_policy, config.kv_offloading_store)
 
 
 def max_request_len(spec: ModelSpec, fleet: Fleet, max_model_len: int | None = None) -> int:

@@ -19,6 +19,7 @@ from kvledger.errors import KVLedgerError
 from kvledger.metrics.serving import SLO, RequestResult, ServingMetrics, calculate_metrics, evaluate_slo
 from kvledger.sim.driver import Replica, run
 from kvledger.sim.hybrid import HybridPool
+from kvledger.sim.offload import OffloadTier
 from kvledger.sim.requests import SimRequest, make_request
 from kvledger.sim.routers import make_router
 from kvledger.workload.sampling import SampledRequest
@@ -40,6 +41,10 @@ metrics): 58 measured, the slope between 400 requests of 50 and of 500 output to
 SIM_REQUEST_BYTES = 8000
 """Host bytes per request besides its tokens (the request, its result row, the metrics' lists):
 about 6,100 measured at the run's peak, plus the request built before it."""
+SIM_SLOT_BYTES = 400
+"""Host bytes one slot of a simulated second tier costs when it holds a block (its entry in the
+policy's lists, ARC's ghost entry): 246 for LRU and 387 for ARC, measured with tracemalloc over
+10^5 slots."""
 HOST_MEMORY_SHARE = 0.8
 """The share of the host's available memory a run may take (the rest for the interpreter and others)."""
 
@@ -58,6 +63,8 @@ class Fleet:
     tensor_parallel_size: int = 1
     hybrid: HybridPool | None = None
     """A hybrid model's state blocks and attention groups per request (``kvledger.sim.hybrid``)."""
+    offload: OffloadTier | None = None
+    """Each replica's KV offloading tier (``kvledger.sim.offload``), or None."""
 
 
 @dataclass
@@ -84,11 +91,12 @@ def build_requests(sampled: Sequence[SampledRequest], times: Sequence[float], le
     return reqs
 
 
-def run_bytes(requests: Sequence[SimRequest], replicas: int, num_blocks: int) -> int:
-    """Host bytes a run of ``requests`` on ``replicas`` pools of ``num_blocks`` blocks takes at most:
-    every block of every pool, and every output token's time and gap."""
+def run_bytes(requests: Sequence[SimRequest], replicas: int, num_blocks: int, offload_blocks: int = 0) -> int:
+    """Host bytes a run of ``requests`` on ``replicas`` pools of ``num_blocks`` blocks (and second
+    tiers of ``offload_blocks`` slots) takes at most: every block of every pool and tier, and every
+    output token's time and gap."""
     tokens = sum(r.output_len for r in requests)
-    return (replicas * (num_blocks * SIM_BLOCK_BYTES + SIM_REPLICA_BYTES)
+    return (replicas * (num_blocks * SIM_BLOCK_BYTES + offload_blocks * SIM_SLOT_BYTES + SIM_REPLICA_BYTES)
             + len(requests) * SIM_REQUEST_BYTES + tokens * SIM_TOKEN_BYTES)
 
 
@@ -98,12 +106,13 @@ def check_host_memory(requests: Sequence[SimRequest], fleet: Fleet) -> None:
     lower ``--replicas``."""
     from kvledger.units import available_ram_bytes, format_bytes
 
-    need = run_bytes(requests, fleet.replicas, fleet.num_blocks)
+    slots = fleet.offload.capacity.num_blocks if fleet.offload is not None else 0
+    need = run_bytes(requests, fleet.replicas, fleet.num_blocks, slots)
     have = int(available_ram_bytes() * HOST_MEMORY_SHARE)
     if need <= have:
         return
     fixed = run_bytes(requests, 0, fleet.num_blocks)
-    per_replica = run_bytes([], 1, fleet.num_blocks)
+    per_replica = run_bytes([], 1, fleet.num_blocks, slots)
     fit = max(0, (have - fixed) // per_replica)
     if fleet.replicas == 1:
         lower = "lower the pool"
@@ -114,7 +123,8 @@ def check_host_memory(requests: Sequence[SimRequest], fleet: Fleet) -> None:
     raise KVLedgerError(f"simulating {fleet.replicas:,} replica(s) of {fleet.num_blocks:,} KV blocks and "
                         f"{len(requests):,} requests needs about {format_bytes(need)} of host memory, but "
                         f"{format_bytes(have)} is available to it; {lower} (--num-gpu-blocks-override, "
-                        "--kv-cache-memory), --num-prompts or --max-model-len")
+                        "--kv-cache-memory), " + ("the second tier (--kv-offloading-size), " if slots else "")
+                        + "--num-prompts or --max-model-len")
 
 
 def simulate(requests: list[SimRequest], fleet: Fleet, *, progress: bool | None = None,
@@ -124,7 +134,8 @@ def simulate(requests: list[SimRequest], fleet: Fleet, *, progress: bool | None 
     check_host_memory(requests, fleet)
     span = max((r.arrival_time for r in requests), default=0.0)
     replicas = [Replica(i, fleet.config, fleet.num_blocks, fleet.timer_factory(), record_steps,
-                        series_interval_s=span / SERIES_POINTS if span > 0 else 0.05, hybrid=fleet.hybrid)
+                        series_interval_s=span / SERIES_POINTS if span > 0 else 0.05, hybrid=fleet.hybrid,
+                        offload=fleet.offload)
                 for i in range(fleet.replicas)]
     router = make_router(fleet.router, fleet.config.block_size)
     t0 = time.perf_counter()
@@ -215,6 +226,7 @@ def summary(res: SimResult, fleet: Fleet) -> dict[str, Any]:
     if "slo" in res.extra:
         slo = res.extra["slo"]
         out.update(slo_met=slo["slo_met"], goodput_fraction=slo["goodput_fraction"], slo=slo)
+    out.update(offload_summary(res, fleet))
     out["per_replica"] = [{
         "replica": rep.index, "requests": len(rep.finished), "steps": rep.num_steps,
         "num_preemptions": rep.scheduler.num_preemptions, "peak_blocks_allocated": rep.blocks_allocated_peak,
@@ -224,6 +236,39 @@ def summary(res: SimResult, fleet: Fleet) -> dict[str, Any]:
     out["series"] = [{name: _downsample(getattr(rep.series, name)) for name in
                       ("time_s", "blocks_allocated", "token_blocks", "cached_free_blocks", "running", "waiting")}
                      for rep in res.replicas]
+    return out
+
+
+def offload_summary(res: SimResult, fleet: Fleet) -> dict[str, Any]:
+    """Prompt tokens by vLLM's ``prompt_tokens_by_source`` labels and their shares of the tokens
+    looked up (``prefix_cache_hit_rate_by_source``: the pool's hits, the tier's loads); with a
+    tier, its size and the blocks and bytes copied each way (bytes of every rank)."""
+    from kvledger.kvcache.manager import LOCAL_COMPUTE, PrefixCacheStats
+
+    total = PrefixCacheStats()
+    for rep in res.replicas:
+        for name in ("queries", "hits", "offload_queries", "offload_hits"):
+            setattr(total, name, getattr(total, name) + getattr(rep.kv.stats, name))
+    by_source = total.by_source()
+    out: dict[str, Any] = {
+        "prompt_tokens_by_source": by_source,
+        "prefix_cache_hit_rate_by_source": {k: v / total.queries if total.queries else 0.0
+                                            for k, v in by_source.items() if k != LOCAL_COMPUTE},
+        "kv_offloading_size": fleet.offload.capacity.size_gib if fleet.offload else 0,
+    }
+    if fleet.offload is None:
+        return out
+    cap = fleet.offload.capacity
+    loaded = sum(rep.offload_traffic.blocks_loaded for rep in res.replicas)
+    stored = sum(rep.offload_traffic.blocks_stored for rep in res.replicas)
+    out.update(offload_capacity_blocks=cap.num_blocks, offload_capacity_tokens=cap.num_tokens,
+               offload_bytes=cap.bytes, offload_eviction_policy=fleet.offload.policy,
+               offload_store_rule=fleet.offload.store_rule,
+               offload_bandwidth_bytes_per_s=fleet.offload.bandwidth_bytes_per_s,
+               offload_blocks_loaded=loaded, offload_blocks_stored=stored,
+               offload_bytes_loaded=loaded * cap.block_bytes, offload_bytes_stored=stored * cap.block_bytes,
+               offload_transfer_s=sum(rep.offload_traffic.seconds for rep in res.replicas),
+               offload_stored_blocks=[rep.kv.offload.num_stored for rep in res.replicas])
     return out
 
 

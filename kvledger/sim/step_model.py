@@ -198,6 +198,16 @@ class StepModel:
                 + kvr * context * self.geometry.token_bytes + self._per_token * tokens
                 + self._coef[8] * requests + self._coef[10] * num_samples)
 
+    def prefill_seconds(self, tokens: int, chunk: int) -> float:
+        """Seconds to prefill ``tokens`` tokens of one request alone, ``chunk`` tokens a step
+        (chunked prefill); the last step samples."""
+        seconds, done = 0.0, 0
+        while done < tokens:
+            n = min(chunk, tokens - done)
+            seconds += self.step_seconds([(done, n)], 1 if done + n == tokens else 0)
+            done += n
+        return seconds
+
     @classmethod
     def from_gpu(cls, spec: ModelSpec, gpu: Any, kv_cache_dtype: str = "auto",
                  tensor_parallel_size: int = 1) -> "StepModel":
