@@ -203,6 +203,16 @@ def test_unsupported_chat_tools_is_400(server, client):
     assert_still_serving(client)
 
 
+def test_max_tokens_and_max_completion_tokens_disagreeing_is_400_naming_both(server, client):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    err = error_of(post(server, {**chat, "max_tokens": 3, "max_completion_tokens": 5}, "/v1/chat/completions"), 400)
+    assert err["param"] == "max_completion_tokens"
+    assert err["message"].startswith("'max_tokens' (3) and 'max_completion_tokens' (5) disagree; send one")
+    agree = post(server, {**chat, "max_tokens": 2, "max_completion_tokens": 2, "temperature": 0}, "/v1/chat/completions")
+    assert agree.status_code == 200 and agree.json()["usage"]["completion_tokens"] == 2
+    assert_still_serving(client)
+
+
 def test_unknown_model_is_404(server, client):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="gpt-nonexistent", prompt="Hello", max_tokens=2)

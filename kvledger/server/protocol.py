@@ -16,6 +16,7 @@ import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from kvledger.units import INT64_MAX, INT64_MIN
 from kvledger.server.errors import APIError
@@ -202,7 +203,11 @@ class ChatCompletionRequest(_SamplingFields):
     def _one_limit(self) -> "ChatCompletionRequest":
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
-                raise ValueError("'max_tokens' and 'max_completion_tokens' disagree; send one")
+                raise PydanticCustomError(
+                    "conflicting_fields", "'max_tokens' ({max_tokens}) and 'max_completion_tokens' ({other}) "
+                    "disagree; send one ('max_tokens' is the older name)",
+                    {"param": "max_completion_tokens", "max_tokens": self.max_tokens,
+                     "other": self.max_completion_tokens})
             self.max_tokens = self.max_completion_tokens
         return self
 
@@ -238,6 +243,8 @@ def validation_message(err: ValidationError) -> tuple[str, str | None]:
         return f"the request body is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}", None
     if first["type"] == "model_type" and not first["loc"]:
         return "the request body must be a JSON object", None
+    if first["type"] == "conflicting_fields":  # a check across fields: it names them, and its param
+        return first["msg"], first["ctx"]["param"]
     path = _field_path(first["loc"])
     param = str(first["loc"][0]) if first["loc"] else None
     if first["type"] == "extra_forbidden":
