@@ -87,7 +87,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", metavar="FILE", help="PNG: KV blocks vs the pool, running/waiting, TTFT and TPOT CDFs; "
                                                   "with several --kv-offloading-size, hit rate and TTFT against size")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar on stderr (default: on a terminal, for runs of 2,000+ requests)")
+                   help="progress bar on stderr, shown once the run has lasted a second (default: on)")
     p.set_defaults(func=run)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
@@ -28,6 +27,7 @@ from kvledger.kvcache.manager import KVCacheManager
 from kvledger.engine.outputs import StepRecord
 from kvledger.engine.scheduler import Scheduler, SchedulerOutput
 from kvledger.errors import KVLedgerError
+from kvledger.progress import progress_bar
 from kvledger.kvcache.offload import OffloadStore
 from kvledger.sim.hybrid import HybridKVCacheManager, HybridPool
 from kvledger.sim.offload import OffloadTier, OffloadTraffic
@@ -196,11 +196,12 @@ def run(requests: Sequence[SimRequest], replicas: list[Replica], router: Router,
         progress: bool | None = None) -> float:
     """Drive every request through the replicas; returns the virtual time the last step ended.
 
-    ``requests`` must be sorted by ``arrival_time``. ``progress``: a tqdm bar on stderr (None:
-    when stderr is a terminal and the run is long)."""
+    ``requests`` must be sorted by ``arrival_time``. ``progress``: the shared bar on stderr
+    (:func:`kvledger.progress.progress_bar`, shown once the run has lasted a second; None: the
+    same as True), False: none."""
     n = len(requests)
     heap: list[tuple[float, int]] = []
-    bar = _progress(n, progress)
+    bar = progress_bar(n, "simulate", "req", enabled=progress is not False)
     i = 0
     end = 0.0
     finished = 0
@@ -213,8 +214,7 @@ def run(requests: Sequence[SimRequest], replicas: list[Replica], router: Router,
             end = now
             if done:
                 finished += len(done)
-                if bar is not None:
-                    bar.update(len(done))
+                bar.update(len(done))
             if replica.start_step(now):
                 heapq.heappush(heap, (replica.step_end, r))
             continue
@@ -228,20 +228,8 @@ def run(requests: Sequence[SimRequest], replicas: list[Replica], router: Router,
             replica = replicas[r]
             if not replica.busy and replica.start_step(arrival):
                 heapq.heappush(heap, (replica.step_end, r))
-    if bar is not None:
-        bar.close()
+    bar.close()
     if finished != n:
         raise KVLedgerError(f"{n - finished} of {n} requests never finished")
     return end
 
-
-def _progress(total: int, progress: bool | None):
-    if progress is None:
-        progress = total >= 2000 and sys.stderr.isatty()
-    if not progress:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="simulate", unit="req", file=sys.stderr, leave=False)
