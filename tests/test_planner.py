@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvledger.errors import KVLedgerError
@@ -348,6 +348,9 @@ def test_hint_of_the_reported_case_plans():
        gpu=st.sampled_from(["l4", "a10g", "a100-40gb", "a100-80gb", "h100-80gb"]),
        memory_gib=st.floats(0.5, 200), util=st.floats(0.5, 1.0), tp=st.sampled_from([1, 2, 4]),
        overhead=st.sampled_from([None, GiB]), dtype=st.sampled_from(["auto", "int8"]))
+# found by the search: with --overhead the hint counted the rotary table the plan leaves to the
+# overhead, and a sliding-window model's pool without the plan's block layout (it named 32, 16 fits)
+@example(model="gemma-3-27b-it", gpu="l4", memory_gib=4.21875, util=1.0, tp=1, overhead=GiB, dtype="auto")
 def test_a_hinted_tensor_parallel_size_plans(model, gpu, memory_gib, util, tp, overhead, dtype):
     """Whenever the does-not-fit error names a size, planning with that size succeeds, and no
     smaller size it tries does."""

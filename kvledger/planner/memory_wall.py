@@ -368,6 +368,19 @@ def plan_memory(spec: ModelSpec, gpu: GPU, config: PlannerConfig | None = None, 
                            act_bytes=act_bytes)
     terms = overheads_at(tp)
     requested = int(gpu.memory_bytes * c.gpu_memory_utilization)
+
+    def blocks_at(size: int) -> int:
+        """The blocks this plan's pool would hold at tensor-parallel size ``size`` (for the hint)."""
+        kvb_at = kv_bytes(spec, c.kv_cache_dtype, tensor_parallel_size=size, pipeline_parallel_size=pp,
+                          model_dtype=unq, mamba_ssm_cache_dtype=c.mamba_ssm_cache_dtype)
+        weights_at = parts_at(tensor_parallel_size=size).per_rank(spec.num_layers, layers, size, first_stage=pp == 1,
+                                                                  last_stage=True, rope_cache=c.overhead is None)
+        pool_at = requested - weights_at - overheads_at(size).total
+        if spec.is_hybrid:
+            return layout_for(kvb_at, mla=spec.is_mla, block_size=given_block_size,
+                              prefix_caching=c.enable_prefix_caching, vllm_version=rules.name).num_blocks(pool_at)
+        return kvb_at.num_blocks(pool_at, block_size)
+
     if c.kv_cache_memory is not None:
         pool = c.kv_cache_memory
         if weights + pool > gpu.memory_bytes:
@@ -377,8 +390,7 @@ def plan_memory(spec: ModelSpec, gpu: GPU, config: PlannerConfig | None = None, 
     else:
         pool = requested - weights - terms.total
         if pool <= 0:
-            fits = _fitting_tp(spec, c.kv_cache_dtype, given_block_size, parts_at, layers, pp, requested, tp,
-                               overheads_at, unq)
+            fits = _fitting_tp(spec, tp, blocks_at)
             raise KVLedgerError(_does_not_fit(spec, gpu, weights, terms.total, requested, tp, c.gpu_memory_utilization,
                                               c.weights_dtype, fits))
     if layout:  # vLLM's hybrid pool: blocks of a page per group layer (the engine has no hybrid path)
@@ -446,27 +458,19 @@ def check_vllm_heads(spec: ModelSpec, tp: int) -> None:
     split_heads(spec.num_attention_heads, spec.num_kv_heads, tp, spec.name, latent=spec.is_mla, even=True)
 
 
-def _fitting_tp(spec: ModelSpec, kv_cache_dtype: str, block_size: int | None, parts_at: Callable[..., WeightBytes],
-                layers: int, pp: int, requested: int, tp: int, overheads_at: Callable[[int], Overheads],
-                unq: str) -> int | None:
-    """The smallest tensor-parallel size above ``tp`` whose ranks split the heads evenly and leave a KV
-    pool of at least one block, with ``parts_at(tensor_parallel_size=size)`` as the weights and
-    ``overheads_at(size)`` as the overhead there; ``None`` when none does."""
+def _fitting_tp(spec: ModelSpec, tp: int, blocks_at: Callable[[int], int]) -> int | None:
+    """The smallest tensor-parallel size above ``tp`` whose ranks split the heads evenly and whose
+    KV pool holds at least one block, ``blocks_at(size)`` being the plan's own count of blocks at
+    that size (the same weights, overheads and block layout); ``None`` when none does."""
     for size in TP_HINT_SIZES:
         if size <= tp:
             continue
         try:
             check_vllm_heads(spec, size)
-            kvb = kv_bytes(spec, kv_cache_dtype, tensor_parallel_size=size, pipeline_parallel_size=pp, model_dtype=unq)
+            if blocks_at(size) > 0:
+                return size
         except KVLedgerError:  # the heads do not split evenly over this many ranks (vLLM's rule)
             continue
-        weights = parts_at(tensor_parallel_size=size).per_rank(spec.num_layers, layers, size, first_stage=pp == 1,
-                                                                last_stage=True)
-        pool = requested - weights - overheads_at(size).total
-        blocks = (layout_for(kvb, mla=spec.is_mla, block_size=block_size).num_blocks(pool) if spec.is_hybrid
-                  else kvb.num_blocks(pool, block_size or CUDA_BLOCK_SIZE))
-        if blocks > 0:
-            return size
     return None
 
 
