@@ -77,7 +77,8 @@ def test_abort_frees_blocks_at_once(engine_llm):
 def test_requests_that_can_never_fit_are_rejected_with_numbers(engine_llm):
     engine = engine_llm.llm_engine
     limit = engine.max_model_len
-    with pytest.raises(KVLedgerError, match=rf"{limit}"):
+    with pytest.raises(KVLedgerError, match=rf"prompt {limit:,} tokens \+ max_tokens 1 = {limit + 1:,} exceeds "
+                                            rf"--max-model-len {limit:,}"):
         engine.add_request("too-long", [1] * limit, SamplingParams(max_tokens=1))
     with pytest.raises(KVLedgerError, match="empty"):
         engine.add_request("empty", [], SamplingParams(max_tokens=1))
@@ -164,6 +165,7 @@ def test_block_size_defaults_to_vllms_for_the_device():
     llm = LLM(model="smollm2-135m", num_gpu_blocks_override=4, device="cpu")
     assert llm.llm_engine.block_size == llm.llm_engine.ledger().block_size == 128
     assert llm.llm_engine.max_model_len == 4 * 128
+    del llm  # one model at a time
     explicit = LLM(model="smollm2-135m", num_gpu_blocks_override=4, block_size=32, device="cpu")
     assert explicit.llm_engine.ledger().block_size == 32
     cli = kvledger("generate", "hi", "--max-tokens", "1", "--device", "cpu", "--num-gpu-blocks-override", "4", "--json")
