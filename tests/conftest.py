@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
+import sys
 
 import pytest
 
@@ -20,9 +23,9 @@ def engine_reference():
     return build_reference()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def engine_llm():
-    """One default-model LLM (float32, prefix caching on) shared by the engine tests that can share it."""
+    """One default-model LLM (float32, prefix caching on) shared by the tests of a file that can share it."""
     from kvledger import LLM
 
     return LLM(model="smollm2-135m", dtype="float32", kv_cache_memory="256MiB", max_num_batched_tokens=64, block_size=16)
@@ -62,6 +65,30 @@ def capability(request):
     with cpu_kernels.use(name) as build:
         assert build.loaded, f"this CPU has {name.upper()} but its kernels did not load: {build.reason}"
         yield name
+
+
+# ---- memory: what a test file built is returned after it -----------------------------------------
+def _trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere nothing).
+    A freed engine's 1-2 GB otherwise stay in the worker's heap, and the next file's models are
+    allocated beside them."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_memory_after_each_file():
+    """After each test file: stop the shared server, drop its references and return the freed
+    memory. Two workers that kept every file's models reached 10 GB each and met the kernel's
+    OOM killer on a 23 GiB machine; with this each worker holds at most one file's models."""
+    yield
+    harness = sys.modules.get("tests.server_harness")
+    if harness is not None:
+        harness.release()
+    gc.collect()
+    _trim_heap()
 
 
 # ---- the suite's order ----------------------------------------------------------------------------

@@ -1,15 +1,16 @@
-"""Shared pieces of the server tests: one real server per test run, and offline references.
+"""Shared pieces of the server tests: one real server per test file, and offline references.
 
 ``shared_server()`` starts the real app (real engine, real model, uvicorn on a free loopback
-port) in a background thread of the test process, once; every server test file uses the same
-one, so the model loads once. ``reference_llm()`` is a separate offline :class:`LLM` with the same
-engine arguments, whose greedy output the server must reproduce token for token.
+port) in a background thread of the test process on first use; the tests of one file share it.
+``reference_llm()`` is a separate offline :class:`LLM` with the same engine arguments, whose greedy
+output the server must reproduce token for token. Both live until :func:`release`, which the
+suite's conftest calls after each test file: a worker that kept them for the whole run held
+about 4 GB beside the next file's models (weights in three layouts, see ``layers/linear.py``).
 """
 
 from __future__ import annotations
 
 import atexit
-import functools
 import time
 from dataclasses import asdict
 
@@ -33,24 +34,43 @@ CHATS = [
 ]
 
 
-@functools.cache
+_SHARED: dict[str, object] = {}
+"""The running server (``"server"``) and the offline reference (``"reference"``), until :func:`release`."""
+
+
 def shared_server():
-    """The test run's server (a :class:`BackgroundServer`), started on first use."""
-    from kvledger.config import EngineConfig
-    from kvledger.engine.llm_engine import LLMEngine
-    from kvledger.server.launcher import BackgroundServer, build_app
+    """The test file's server (a :class:`BackgroundServer`), started on first use."""
+    if "server" not in _SHARED:
+        from kvledger.config import EngineConfig
+        from kvledger.engine.llm_engine import LLMEngine
+        from kvledger.server.launcher import BackgroundServer, build_app
 
-    engine = LLMEngine(EngineConfig(**ENGINE_ARGS))
-    server = BackgroundServer(build_app(engine)).start()
-    atexit.register(server.stop)
-    return server
+        engine = LLMEngine(EngineConfig(**ENGINE_ARGS))
+        server = BackgroundServer(build_app(engine)).start()
+        atexit.register(server.stop)
+        _SHARED["server"] = server
+    return _SHARED["server"]
 
 
-@functools.cache
 def reference_llm():
-    from kvledger import LLM
+    """The offline :class:`LLM` with the server's engine arguments, built on first use."""
+    if "reference" not in _SHARED:
+        from kvledger import LLM
 
-    return LLM(**ENGINE_ARGS)
+        _SHARED["reference"] = LLM(**ENGINE_ARGS)
+    return _SHARED["reference"]
+
+
+def release() -> None:
+    """Stop the shared server, shut its engine down (which lets go of the weights and the pool: the
+    stopped app's routes, and so its engine, stay in FastAPI's caches) and drop the offline
+    reference. The greedy texts stay cached."""
+    server = _SHARED.pop("server", None)
+    if server is not None:
+        server.stop()
+        atexit.unregister(server.stop)
+        server.aengine.engine.shutdown()
+    _SHARED.pop("reference", None)
 
 
 _GREEDY: dict[tuple[str, int], str] = {}

@@ -17,6 +17,7 @@ its window reaches and its masks apply the window.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import Any, Sequence
@@ -97,6 +98,8 @@ class ModelRunner:
             self._plan_pool()  # a pool the user sized is checked before the weights load (and again after)
         self.ranks: RankGroup | None = None
         """Ranks 1..N-1, held by rank 0 at tensor parallelism (None otherwise)."""
+        self.closed = False
+        """True once :meth:`shutdown` let go of the weights and the cache."""
         if rank == 0 and tp > 1:  # the other ranks load their shards while this one loads its own
             self.ranks = RankGroup(tp, self.device.type, run_rank, (dataclasses.replace(config, model=str(self.model_dir)),))
         try:
@@ -204,8 +207,6 @@ class ModelRunner:
     def _guard(self, stage: str) -> Any:
         """Rank 0: failures of the group as one RankFailure (:meth:`RankGroup.guard`); other ranks:
         errors as they are (the process ends and rank 0's watchdog reports it)."""
-        import contextlib
-
         return self.ranks.guard(stage) if self.ranks is not None else contextlib.nullcontext()
 
     # ---- the group ----------------------------------------------------------------------------
@@ -222,9 +223,15 @@ class ModelRunner:
                 self.model(input_ids, positions, meta, self.cache, logits_indices)
 
     def shutdown(self) -> None:
-        """Stop the other ranks (nothing to do at one rank); no steps run after."""
+        """Stop the other ranks and let go of this rank's weights and KV cache, so that their memory
+        goes back to the system even while something still holds the engine (a stopped server's
+        routes stay in FastAPI's caches, and with them its engine). No steps run after: :meth:`execute`
+        refuses them. The bytes measured at start-up stay, for the ledger."""
         if self.ranks is not None:
             self.ranks.shutdown()
+        self.closed = True
+        for name in ("model", "cache", "step", "last_logits"):
+            self.__dict__.pop(name, None)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -234,6 +241,8 @@ class ModelRunner:
                 ) -> tuple[list[ScheduledRequest], torch.Tensor]:
         """Run the step; returns the requests that sample (in logits row order) and their logits.
         ``block_tables`` are the tables of the one KV group, or a list with each group's."""
+        if self.closed:
+            raise KVLedgerError("the engine was shut down (LLMEngine.shutdown()); build a new one to run steps")
         if self.ranks is not None and (self.ranks.failure is not None or self.ranks.closed):
             raise RankFailure(self.ranks.failure or "the tensor-parallel engine was shut down")
         group_tables = [block_tables] if isinstance(block_tables, dict) else list(block_tables)
