@@ -96,10 +96,11 @@ LONGEST_FILES = ("test_gemma3.py", "test_kv_quality.py", "test_engine_identity.p
 """The files that take longest, longest first (313, 160, 157 and 92 s of the suite's 1,290 s on an
 AMX Xeon). `make test` hands whole files to two workers (``--dist loadfile``) in collection order;
 one of these started last would run on alone while the other worker idles, so they start first.
-test_gemma3.py's worker holds about 10 GB, so the Ray cluster's replicas (test_cluster.py, about
-4 GB more) run last; ``make test`` runs that file in a second pytest, alone, as a worker that
-holds a model may still be running beside it (Ray's memory monitor ended the replicas at 95% of
-24 GB)."""
+A worker holds one file's models at a time (``_release_memory_after_each_file``): its peak was
+about 5 GB on a 23 GiB AVX2 EPYC (test_gemma3.py; 9.5 to 11.5 GB when files kept theirs). The
+Ray cluster's replicas (test_cluster.py, about 4 GB more) run last; ``make test`` runs that file
+in a second pytest, alone, as a worker that holds a model may still be running beside it (Ray's
+memory monitor ended the replicas at 95% of 24 GB)."""
 LAST_FILES = ("test_cluster.py",)
 
 
