@@ -59,6 +59,13 @@ LARGE_CARD_MAX_NUM_BATCHED_TOKENS = 8192
 """Tokens in vLLM's profiling forward pass for ``vllm serve`` on a large card (its log:
 "Defaulting max_num_batched_tokens to 8192 for OPENAI_API_SERVER usage context")."""
 
+KV_OFFLOADING_BACKEND = "native"
+"""vLLM's default ``--kv-offloading-backend``: the engine's own tier (host memory, or disk)."""
+KV_OFFLOADING_BACKENDS = ("native", "lmcache")
+"""vLLM's ``--kv-offloading-backend`` choices; the engine runs ``native`` only."""
+MAX_KV_OFFLOADING_GIB = 2.0**40
+"""The largest ``--kv-offloading-size`` (GiB): beyond any host memory or disk."""
+
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")
 """The weights and activations dtypes the engine runs (``--dtype``)."""
 ENGINE_DTYPE = "float32"
@@ -99,6 +106,14 @@ class EngineConfig:
     """Ranks the model is split over (processes, one torch.distributed group; see
     :mod:`kvledger.distributed`). Each rank holds the heads :mod:`kvledger.spec.head_split` gives it
     (whole GQA groups, or a KV head copied when N exceeds ``H_kv``) and its own cache."""
+    kv_offloading_size: float | None = None
+    """vLLM's ``--kv-offloading-size``: GiB (2^30 bytes) of a second KV tier under the pool, in host
+    memory, or on disk with ``kv_offloading_path``; None: no tier. Its blocks are
+    :func:`kvledger.spec.offload.tier_capacity`'s."""
+    kv_offloading_backend: str = KV_OFFLOADING_BACKEND
+    """vLLM's ``--kv-offloading-backend``: ``native`` (the engine's own tier); ``lmcache`` is refused."""
+    kv_offloading_path: str | None = None
+    """A directory for the tier's blocks, one file each, kept across restarts; None: host memory."""
     enforce_eager: bool = False
     """vLLM's switch that keeps the model step out of ``torch.compile``: True always runs it eagerly.
     False compiles it only where the environment asks for it with ``KVLEDGER_COMPILE=1``
@@ -123,6 +138,13 @@ class EngineConfig:
             raise KVLedgerError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
             raise KVLedgerError(f"--device {self.device!r} is not supported; use cpu, cuda, cuda:N or auto")
+        if self.kv_offloading_backend != KV_OFFLOADING_BACKEND:
+            raise KVLedgerError(f"--kv-offloading-backend {self.kv_offloading_backend} is not run by this engine "
+                                f"(lmcache is vLLM's LMCache connector); use {KV_OFFLOADING_BACKEND}")
+        if self.kv_offloading_size is not None and not 0 < self.kv_offloading_size <= MAX_KV_OFFLOADING_GIB:
+            raise KVLedgerError(f"--kv-offloading-size must be a positive number of GiB, got {self.kv_offloading_size}")
+        if self.kv_offloading_path is not None and self.kv_offloading_size is None:
+            raise KVLedgerError("--kv-offloading-path needs --kv-offloading-size: the GiB of disk the tier may take")
         if self.kv_cache_dtype not in ENGINE_KV_CACHE_DTYPES:
             raise KVLedgerError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not one the engine runs; choose one of "
                                 f"{', '.join(ENGINE_KV_CACHE_DTYPES)}")

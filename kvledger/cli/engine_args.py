@@ -9,6 +9,7 @@ from typing import Any
 
 from kvledger.cli.common import positive_int, size
 from kvledger.cli.flags import (ENGINE_MODEL_HELP, add_block_size, add_engine_dtype, add_gpu_memory_utilization,
+                                add_kv_offloading_backend, add_kv_offloading_path, add_kv_offloading_size,
                                 add_max_num_batched_tokens, add_max_num_seqs, add_tensor_parallel_size)
 from kvledger.config import (CPU_BLOCK_SIZE, CPU_KV_CACHE_MAX, CPU_KV_CACHE_SHARE, CUDA_BLOCK_SIZE, GPU_MEMORY_UTILIZATION,
                              VLLM_BLOCK_SIZES, EngineConfig)
@@ -54,6 +55,13 @@ def add_engine_args(parser: Any) -> None:
                                      f"1/N of the heads and its own KV cache (default {default.tensor_parallel_size})")
     g.add_argument("--num-gpu-blocks-override", type=positive_int, default=default.num_gpu_blocks_override,
                    metavar="N", help="exact number of KV blocks (overrides --kv-cache-memory)")
+    t = parser.add_argument_group("second KV tier (vLLM's KV offloading)")
+    add_kv_offloading_size(t, default=default.kv_offloading_size,
+                           help="GiB (2^30 bytes) of a second KV tier under the pool (vLLM's flag): blocks the pool "
+                                "evicts are kept there and loaded back on a prefix hit (default: no tier)")
+    add_kv_offloading_backend(t, default=default.kv_offloading_backend)
+    add_kv_offloading_path(t, help="keep the tier's blocks in files under DIR instead of host memory; a restarted "
+                                   "engine on the same DIR finds them again (default: host memory)")
 
 
 def engine_config_from_args(args: Any) -> EngineConfig:

@@ -11,6 +11,7 @@ import argparse
 
 from kvledger.cli.common import fraction, positive_int, rate
 from kvledger.config import (CUDA_BLOCK_SIZE, ENGINE_DTYPE, ENGINE_DTYPES, GPU_MEMORY_UTILIZATION,
+                             KV_OFFLOADING_BACKEND, KV_OFFLOADING_BACKENDS, MAX_KV_OFFLOADING_GIB,
                              MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, VLLM_BLOCK_SIZES)
 from kvledger.spec.dtypes import KV_CACHE_DTYPES
 
@@ -73,10 +74,6 @@ def add_mamba_ssm_cache_dtype(parser: argparse.ArgumentParser) -> None:
                                "default, else the model dtype); the conv state keeps the model dtype")
 
 
-MAX_KV_OFFLOADING_GIB = 2.0**40
-"""The largest ``--kv-offloading-size`` (GiB): beyond any host memory or disk."""
-
-
 def _gib(text: str, allow_zero: bool) -> float:
     try:
         value = float(text)
@@ -110,6 +107,13 @@ def add_kv_offloading_path(parser, *, help: str | None = None) -> None:
     """``--kv-offloading-path DIR``: the second KV tier on disk, in this directory."""
     parser.add_argument("--kv-offloading-path", metavar="DIR", default=None,
                         help=help or "keep the second KV tier in files under DIR (disk) instead of host memory")
+
+
+def add_kv_offloading_backend(parser, *, default: str = KV_OFFLOADING_BACKEND) -> None:
+    """vLLM's ``--kv-offloading-backend``: ``native`` runs; ``lmcache`` is refused by the config in one line."""
+    parser.add_argument("--kv-offloading-backend", choices=KV_OFFLOADING_BACKENDS, default=default,
+                        help=f"the second KV tier's implementation, vLLM's flag (default {default}: the engine's own; "
+                             "lmcache is not run)")
 
 
 def add_kv_offloading_bandwidth(parser, *, help: str | None = None) -> None:

@@ -32,7 +32,8 @@ import torch
 from kvledger.config import EngineConfig
 from kvledger.engine.limits import check_request_length
 from kvledger.engine.model_runner import ModelRunner
-from kvledger.engine.outputs import CompletionOutput, KVGroupLedger, KVLedger, RequestOutput, StepRecord
+from kvledger.engine.outputs import (CompletionOutput, KVGroupLedger, KVLedger, OffloadLedger, RequestOutput,
+                                     StepRecord)
 from kvledger.engine.sampler import sample
 from kvledger.engine.sampling_params import SamplingParams
 from kvledger.engine.scheduler import Scheduler, SchedulerOutput
@@ -41,9 +42,13 @@ from kvledger.errors import KVLedgerError, ParameterError
 from kvledger.kvcache.block_pool import BlockPool
 from kvledger.kvcache.groups import NULL_BLOCK, KVCacheGroup, first_live_block
 from kvledger.kvcache.manager import KVCacheManager
+from kvledger.kvcache.offload import STORE_ON_COMPUTE, STORE_ON_EVICT, OffloadStore
+from kvledger.kvcache.offload_storage import DiskKVTier, HostKVTier, make_offload_tier
 from kvledger.kvcache.storage import KVCache
 from kvledger.spec import ModelSpec
+from kvledger.spec.dtypes import PER_LAYER_SCALE_DTYPES
 from kvledger.spec.kv_bytes import KVBytes
+from kvledger.spec.offload import OffloadCapacity, tier_capacity
 
 
 log = logging.getLogger("kvledger.engine")
@@ -58,7 +63,21 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer()
         self.eos_token_ids = self._eos_ids(self.runner.model_dir)
         self.pool = BlockPool(self.runner.num_blocks, enable_caching=config.enable_prefix_caching)
-        self.kv_manager = KVCacheManager(self.pool, config.block_size, self.kv_groups)
+        self.offload_capacity: OffloadCapacity | None = None
+        """The second KV tier's size (vLLM's arithmetic), or None without one."""
+        self.offload_tier: HostKVTier | DiskKVTier | None = None
+        """The second KV tier's bytes: host memory, or files on disk."""
+        store, store_rule = None, STORE_ON_EVICT
+        if config.kv_offloading_size is not None:
+            self.offload_capacity = self._offload_capacity(config)
+            store = OffloadStore(self.offload_capacity.num_blocks)
+            # on disk, blocks are written as they are computed, so that a restart finds them
+            store_rule = STORE_ON_COMPUTE if config.kv_offloading_path else STORE_ON_EVICT
+        self.kv_manager = KVCacheManager(self.pool, config.block_size, self.kv_groups, offload=store,
+                                         store_rule=store_rule)
+        if store is not None:
+            self.offload_tier = make_offload_tier(self.cache, self.offload_capacity, store, config.kv_offloading_path,
+                                                  self._cache_identity())
         self.scheduler = Scheduler(config, self.kv_manager)
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
@@ -96,6 +115,27 @@ class LLMEngine:
             elif isinstance(value, list):
                 ids.update(int(v) for v in value)
         return frozenset(ids)
+
+    def _offload_capacity(self, config: EngineConfig) -> OffloadCapacity:
+        """The tier's blocks for ``kv_offloading_size`` GiB; refused in one line where the engine
+        cannot keep one (tensor parallelism, a disk tier of an fp8 cache whose per-layer scales
+        are set anew by each process; sliding windows: :func:`tier_capacity`)."""
+        if config.tensor_parallel_size > 1:
+            raise KVLedgerError("--kv-offloading-size: the engine's KV offloading tier runs at "
+                                "--tensor-parallel-size 1 only")
+        if config.kv_offloading_path and self.kv_cache_dtype in PER_LAYER_SCALE_DTYPES:
+            raise KVLedgerError(f"--kv-offloading-path: a --kv-cache-dtype {self.kv_cache_dtype} cache keeps one scale "
+                                "per layer, set anew by each process, so its blocks cannot outlive it on disk; use "
+                                "int8 or a 16/32-bit cache, or host memory")
+        return tier_capacity(self.spec, self.kv_cache_dtype, config.block_size, config.kv_offloading_size,
+                             config.tensor_parallel_size)
+
+    def _cache_identity(self) -> dict[str, Any]:
+        """What a block's bytes depend on besides its tokens: a disk tier's manifest."""
+        spec = self.spec
+        return {"model": self.model_name, "dtype": str(self.dtype).removeprefix("torch."),
+                "kv_cache_dtype": self.kv_cache_dtype, "block_size": self.block_size, "num_layers": spec.num_layers,
+                "num_kv_heads": self.kv_bytes.kv_heads, "head_dim": spec.head_dim}
 
     # ---- what the runner built, by name -----------------------------------------------------
     @property
@@ -207,8 +247,9 @@ class LLMEngine:
         """Schedule and run one batch; outputs for every request that got a new token."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
+        ended = self._run_transfers(out) if out.kv_transfers else []
         if not out.scheduled:
-            return []
+            return ended
         batch = ([(s.request.request_id, s.request.num_computed_tokens, s.num_new_tokens) for s in out.scheduled]
                  if self.step_records is not None else [])
         try:
@@ -241,12 +282,52 @@ class LLMEngine:
                 outputs.append(self._fail_request(request, error, stage))
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
+        if self.offload_tier is not None and not self.scheduler.has_unfinished():
+            self._flush_stores()
         if self.step_records is not None:
             self.step_records.append(StepRecord(self.num_steps, batch, len(requests), start,
                                                 time.perf_counter() - start, model_s,
                                                 [r.request_id for r in out.preempted]))
         self.num_steps += 1
-        return outputs
+        return ended + outputs
+
+    # ---- the second KV tier ---------------------------------------------------------------------
+    def _run_transfers(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """Copy the step's blocks between the tiers before its model run. If a copy fails, the
+        step's copies are forgotten (:meth:`KVCacheManager.abort_transfers`) and the requests
+        whose blocks were to be loaded end with finish_reason "error", out of the step; the others
+        run; the slots it was to load from are dropped from tier 2 (their bytes are not trusted).
+        Returns the outputs of the requests it ended."""
+        transfers = out.kv_transfers
+        try:
+            self.offload_tier.run(transfers)
+            return []
+        except Exception as err:  # noqa: BLE001 - a failed copy ends the requests that needed it
+            self.kv_manager.abort_transfers(transfers)
+            for load in transfers.loads:  # a slot that failed to load is not trusted again
+                self.kv_manager.offload.drop(load.block_hash)
+            self.offload_tier.forget([(st.slot, st.block_hash) for st in transfers.stores]
+                                     + [(ld.slot, ld.block_hash) for ld in transfers.loads])
+            targets = {load.block_id for load in transfers.loads}
+            hit = [s for s in out.scheduled
+                   if targets.intersection(self.kv_manager.block_tables.get(s.request.request_id, ()))]
+            out.scheduled = [s for s in out.scheduled if s not in hit]
+            outputs = []
+            for s in hit:
+                outputs.append(self._fail_request(s.request, err, "loading its KV blocks from the offloading tier"))
+                self.requests.pop(s.request.request_id, None)
+            if not hit:
+                log.error("KV offloading: a store failed (%s: %s); the blocks stay out of tier 2",
+                          type(err).__name__, err)
+            return outputs
+
+    def _flush_stores(self) -> None:
+        """The engine went idle: store now what the last step computed (store on compute), rather
+        than at the next step, so a disk tier holds it even if no request comes again."""
+        self.kv_manager.begin_step()
+        transfers = self.kv_manager.take_transfers()
+        if transfers:
+            self._run_transfers(SchedulerOutput(kv_transfers=transfers))
 
     def _fail_request(self, request: Request, error: Exception, stage: str) -> RequestOutput:
         """End one request whose own work in a step raised (finish_reason "error"); its blocks go
@@ -350,7 +431,20 @@ class LLMEngine:
             ranks=ranks, bytes_per_rank=rank_bytes[0], measured_bytes_by_rank=list(rank_bytes),
             groups=self._group_ledgers(),
             request_bytes={r.request_id: self.request_bytes(r.request_id) for r in self.scheduler.running},
+            prompt_tokens_by_source=stats.by_source(), offload=self._offload_ledger(),
         )
+
+    def _offload_ledger(self) -> OffloadLedger | None:
+        cap, store, tier = self.offload_capacity, self.kv_manager.offload, self.offload_tier
+        if cap is None or store is None or tier is None:
+            return None
+        stats, counts = self.kv_manager.stats, store.stats
+        return OffloadLedger(
+            backend=tier.backend, path=tier.path, capacity_blocks=cap.num_blocks, stored_blocks=store.num_stored,
+            block_bytes=cap.block_bytes, bytes=store.num_stored * cap.block_bytes, slot_bytes=cap.slot_bytes,
+            capacity_bytes=cap.bytes, queries=stats.offload_queries, hits=stats.offload_hits,
+            blocks_stored=counts.stored, blocks_loaded=counts.loaded, blocks_evicted=counts.evicted,
+            stores_skipped=counts.skipped)
 
     def _group_ledgers(self) -> list[KVGroupLedger]:
         manager = self.kv_manager

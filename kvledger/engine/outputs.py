@@ -56,6 +56,33 @@ class KVGroupLedger:
 
 
 @dataclass
+class OffloadLedger:
+    """The second KV tier's share of the ledger. ``backend``: ``host`` (memory) or ``disk`` (files
+    under ``path``). Blocks: ``capacity_blocks`` slots, ``stored_blocks`` holding one now. Bytes:
+    ``block_bytes`` per block (Eq 2.2's page, scales included), ``bytes`` = ``stored_blocks x
+    block_bytes``, ``slot_bytes`` a slot (a block rounded up to the host page) and
+    ``capacity_bytes`` = ``capacity_blocks x slot_bytes``. Prefix cache, in tokens (vLLM's
+    ``external_prefix_cache_*``): ``queries`` asked of the tier (past the pool's hit), ``hits``
+    loaded from it. Copies since start, in blocks: ``blocks_stored``, ``blocks_loaded``,
+    ``blocks_evicted`` (to make room), ``stores_skipped`` (every slot pinned by a load)."""
+
+    backend: str
+    path: str | None
+    capacity_blocks: int
+    stored_blocks: int
+    block_bytes: int
+    bytes: int
+    slot_bytes: int
+    capacity_bytes: int
+    queries: int
+    hits: int
+    blocks_stored: int
+    blocks_loaded: int
+    blocks_evicted: int
+    stores_skipped: int
+
+
+@dataclass
 class KVLedger:
     """Live numbers of the KV cache.
 
@@ -105,6 +132,8 @@ class KVLedger:
     bytes_per_block: int = 0
     groups: list[KVGroupLedger] = field(default_factory=list)
     request_bytes: dict[str, int] = field(default_factory=dict)
+    prompt_tokens_by_source: dict[str, int] = field(default_factory=dict)
+    offload: OffloadLedger | None = None
 
 
 @dataclass

@@ -45,6 +45,9 @@ class Int8KVCache(KVCache):
     def measured_bytes(self) -> int:
         return super().measured_bytes + self.scales.numel() * self.scales.element_size()
 
+    def block_tensors(self) -> list[torch.Tensor]:
+        return [self.storage, self.scales]  # the scales travel with their block
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         q, scale = quantize_int8(torch.stack((k, v)))  # K and V together: [2, tokens, H_kv, d_h]
         self._flat[layer].index_copy_(1, slot_mapping, q)

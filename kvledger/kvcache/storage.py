@@ -130,6 +130,12 @@ class KVCache:
         """Bytes of the real cache tensors (all layers, K and V)."""
         return self.storage.numel() * self.storage.element_size()
 
+    def block_tensors(self) -> list[torch.Tensor]:
+        """The tensors that hold a block's bytes, each with the block as dimension 2: a block ``b``
+        is ``[t[:, :, b] for t in block_tensors()]`` (the elements, and 8-bit caches' per-token
+        scales). Copying these is copying the block exactly (the second KV tier does)."""
+        return [self.storage]
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store ``k``/``v`` (``[tokens, H_kv, d_h]``) at physical slots ``slot_mapping`` (``[tokens]``)."""
         self._flat[layer, 0].index_copy_(0, slot_mapping, k.to(self.dtype))

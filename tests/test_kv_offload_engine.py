@@ -1,0 +1,146 @@
+"""The second KV tier in the real engine (SmolLM2, float32 model): blocks the pool evicted come back
+from host memory or disk byte for byte, count as ``external_kv_transfer``, and give the greedy
+tokens of a cold run; a disk tier outlives its process; the tier's size is the planner's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvledger import LLM, SamplingParams
+from kvledger.errors import KVLedgerError
+from kvledger.kvcache.block_pool import prefix_block_hashes
+from tests.cli_helpers import assert_one_line_error, kvledger
+
+BS = 16
+POOL = 8  # blocks of 16 tokens: 128 tokens, which PROMPT_B and its output fill
+TIER_GIB = 0.01
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+PROMPT_A = "The history of the paged KV cache begins with virtual memory and its page tables. " * 5
+PROMPT_B = "A completely different story about cooking fresh pasta in the mountains of northern Italy. " * 7
+
+
+def _llm(kv_cache_dtype: str = "auto", **kw) -> LLM:
+    return LLM("smollm2-135m", dtype="float32", kv_cache_dtype=kv_cache_dtype, block_size=BS,
+               num_gpu_blocks_override=POOL, max_model_len=POOL * BS, max_num_batched_tokens=128,
+               kv_offloading_size=TIER_GIB, **kw)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """One engine with a host tier per cache dtype, built when a test first asks for it."""
+    built: dict[str, LLM] = {}
+
+    def get(kv_cache_dtype: str) -> LLM:
+        if kv_cache_dtype not in built:
+            built[kv_cache_dtype] = _llm(kv_cache_dtype)
+        return built[kv_cache_dtype]
+
+    return get
+
+
+def _block_bytes(llm: LLM, block_id: int) -> bytes:
+    """A pool block's bytes as the cache holds them (elements, and an int8 cache's scales)."""
+    return b"".join(t[:, :, block_id].contiguous().view(torch.uint8).numpy().tobytes()
+                    for t in llm.llm_engine.cache.block_tensors())
+
+
+def _tokens(out) -> list[int]:
+    return list(out.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_blocks_the_pool_evicted_come_back_from_host_memory_byte_for_byte(engines, kv_cache_dtype):
+    llm = engines(kv_cache_dtype)
+    engine = llm.llm_engine
+    ids = llm.get_tokenizer().encode(PROMPT_A)
+    hashes = prefix_block_hashes(ids, BS)[:(len(ids) - 1) // BS]  # the blocks a later hit can cover
+    assert len(hashes) >= 4
+    cold = llm.generate(PROMPT_A, GREEDY, use_tqdm=False)[0]
+    stored = {h: _block_bytes(llm, engine.pool.lookup(h)) for h in hashes}
+    before = engine.ledger()
+    llm.generate(PROMPT_B, GREEDY, use_tqdm=False)  # fills the pool: every block of A is evicted into tier 2
+    assert all(engine.pool.lookup(h) is None for h in hashes)
+    assert all(engine.kv_manager.offload.lookup(h) is not None for h in hashes)
+    warm = llm.generate(PROMPT_A, GREEDY, use_tqdm=False)[0]
+    assert _tokens(warm) == _tokens(cold)
+    assert warm.num_cached_tokens == len(hashes) * BS
+    assert {h: _block_bytes(llm, engine.pool.lookup(h)) for h in hashes} == stored  # the round trip is exact
+    after = engine.ledger()
+    loaded = len(hashes) * BS
+    gained = {k: after.prompt_tokens_by_source[k] - before.prompt_tokens_by_source[k] for k in before.prompt_tokens_by_source}
+    assert gained["external_kv_transfer"] == loaded and gained["local_cache_hit"] == 0
+    assert after.offload.hits - before.offload.hits == loaded
+    assert after.offload.blocks_loaded - before.offload.blocks_loaded == len(hashes)
+    assert after.offload.bytes == after.offload.stored_blocks * after.offload.block_bytes > 0
+    assert after.offload.block_bytes == after.bytes_per_block
+    engine.check_integrity()
+    assert after.blocks_allocated == 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "int8"])
+def test_the_tiers_blocks_are_the_planners_to_the_block(engines, kv_cache_dtype):
+    llm = engines(kv_cache_dtype)
+    engine = llm.llm_engine
+    plan = kvledger("plan", "smollm2-135m", "--gpu", "h100-80gb", "--block-size", str(BS), "--kv-cache-dtype",
+                    "float32" if kv_cache_dtype == "auto" else kv_cache_dtype, "--kv-offloading-size", str(TIER_GIB),
+                    "--json").json()
+    ledger = engine.ledger().offload
+    assert plan["offload_capacity_blocks"] == ledger.capacity_blocks == engine.offload_tier.buffer.shape[0]
+    assert plan["offload_slot_bytes"] == ledger.slot_bytes == engine.offload_tier.buffer.shape[1]
+    assert plan["offload_bytes"] == ledger.capacity_bytes == engine.offload_tier.buffer.numel()
+    assert ledger.block_bytes == engine.cache.measured_bytes // engine.num_blocks  # the real block, scales included
+
+
+# ---- the disk tier ---------------------------------------------------------------------------------
+GENERATE = ("generate", PROMPT_A, "--max-tokens", "6", "--block-size", str(BS), "--num-gpu-blocks-override",
+            str(POOL), "--max-model-len", str(POOL * BS), "--kv-offloading-size", str(TIER_GIB), "--json")
+
+
+def test_a_restarted_engine_serves_a_repeated_prompt_from_its_disk_tier(tmp_path):
+    first = kvledger(*GENERATE, "--kv-offloading-path", str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    first = first.json()
+    files = sorted(p.name for p in tmp_path.glob("*.kv"))
+    assert first["kv"]["offload"]["stored_blocks"] == len(files) >= 4  # the prompt's full blocks, written through
+    assert first["kv"]["offload"]["hits"] == 0
+    second = kvledger(*GENERATE, "--kv-offloading-path", str(tmp_path))  # a new process on the same directory
+    assert second.returncode == 0, second.stderr
+    second = second.json()
+    assert second["token_ids"] == first["token_ids"]
+    hits = second["kv"]["prompt_tokens_by_source"]["external_kv_transfer"]
+    assert hits == second["kv"]["offload"]["hits"] == len(files) * BS
+    assert second["kv"]["prompt_tokens_by_source"]["local_cache_hit"] == 0
+    assert sorted(p.name for p in tmp_path.glob("*.kv")) == files
+    # a directory written for another cache is refused, not read
+    other = kvledger(*GENERATE, "--kv-offloading-path", str(tmp_path), "--kv-cache-dtype", "int8")
+    assert_one_line_error(other, "--kv-offloading-path", "kv_cache_dtype 'float32' (now 'int8')")
+
+
+def test_a_block_file_that_went_bad_ends_only_the_request_that_needed_it(tmp_path):
+    llm = _llm(kv_offloading_path=str(tmp_path))
+    engine = llm.llm_engine
+    cold = llm.generate(PROMPT_A, GREEDY, use_tqdm=False)[0]
+    llm.generate(PROMPT_B, GREEDY, use_tqdm=False)  # A's blocks leave the pool; their files stay
+    files = sorted(tmp_path.glob("*.kv"))
+    files[0].write_bytes(files[0].read_bytes()[:100])  # truncated behind the engine's back
+    bad, other = llm.generate([PROMPT_A, "Hello there, how are you today?"], GREEDY, use_tqdm=False)
+    assert bad.finish_reason == "error" and other.finish_reason in ("stop", "length")
+    engine.check_integrity()
+    again = llm.generate(PROMPT_A, GREEDY, use_tqdm=False)[0]  # the bad block was forgotten: computed anew
+    assert _tokens(again) == _tokens(cold)
+    engine.check_integrity()
+    assert engine.ledger().blocks_allocated == 0
+
+
+def test_offloading_refusals_are_one_line():
+    with pytest.raises(KVLedgerError, match="lmcache"):
+        LLM("smollm2-135m", kv_offloading_size=1, kv_offloading_backend="lmcache")
+    with pytest.raises(KVLedgerError, match="--kv-offloading-size"):
+        LLM("smollm2-135m", kv_offloading_path="/nonexistent")
+    result = kvledger(*GENERATE, "--no-enable-prefix-caching")
+    assert_one_line_error(result, "prefix caching")
+    result = kvledger(*GENERATE, "--kv-offloading-backend", "lmcache")
+    assert_one_line_error(result, "lmcache")
