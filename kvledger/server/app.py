@@ -6,7 +6,8 @@ Order of checks on ``/v1/*`` (each a one-line OpenAI error object naming the pro
 API key (401) -> body size (413) -> JSON and fields (400) -> model name (404) ->
 a request larger than the whole KV pool (400, with the numbers) -> prompt + max_tokens
 against ``max_model_len`` (400, with the numbers) -> the engine's own admission check
-(400) -> the waiting queue (503 + ``Retry-After``). ``/metrics``, ``/health`` and ``/dashboard`` (where ``/`` redirects) need no key.
+(400) -> the waiting queue (503 + ``Retry-After``). ``/metrics``, ``/health``, ``/ledger`` (the engine's
+KV ledger as JSON) and ``/dashboard`` (where ``/`` redirects) need no key.
 
 A request the engine accepted and then could not complete is a 500 naming the cause (503 while
 the server shuts down); streamed, the same error object arrives as a last event before
@@ -348,6 +349,11 @@ def create_app(aengine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return JSONResponse({"model": config.served_model_names[0], "num_blocks": snap["num_blocks"],
                              "block_size": snap["block_size"], "bytes_per_token": snap["bytes_per_token"],
                              "max_model_len": config.max_model_len, "latest": snap, "samples": samples})
+
+    @app.get("/ledger")
+    async def ledger() -> JSONResponse:
+        """The engine's ledger after its latest step (:class:`~kvledger.engine.outputs.KVLedger`'s fields)."""
+        return JSONResponse(aengine.snapshot())
 
     @app.get("/dashboard/vendor/{name}")
     async def vendor(name: str) -> Response:

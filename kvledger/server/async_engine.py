@@ -357,5 +357,8 @@ class AsyncEngine:
             "num_running": s["num_running"],
             "num_waiting": s["num_waiting"],
             "num_preemptions": s["num_preemptions"],
+            "prompt_tokens_by_source": s["prompt_tokens_by_source"],
+            "offload_stored_blocks": s["offload"]["stored_blocks"] if s["offload"] else None,
+            "offload_capacity_blocks": s["offload"]["capacity_blocks"] if s["offload"] else None,
         })
         self._last_sample = now

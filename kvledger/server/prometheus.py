@@ -9,7 +9,17 @@ when ``/metrics`` is scraped, so gauges and counters are exactly the engine's ow
   cached prefix are ``kvledger:kv_blocks_cached_free``, not allocated.
 - ``kvledger:kv_tokens_used`` / ``kvledger:kv_waste_tokens``: tokens with K/V in allocated
   blocks, and the empty slots of allocated blocks (tokens).
-- ``kvledger:prefix_cache_queries_total`` / ``..._hits_total``: in tokens, as vLLM counts.
+- ``kvledger:prefix_cache_queries_total`` / ``..._hits_total``: in tokens, as vLLM counts (the
+  pool, tier 1). ``kvledger:external_prefix_cache_queries_total`` / ``..._hits_total``: the tokens
+  then asked of the second KV tier and those loaded from it (vLLM's names for its connector).
+- ``kvledger:prompt_tokens_by_source_total{source=...}``: admitted prompt tokens by vLLM's sources,
+  ``local_compute``, ``local_cache_hit`` (the pool) and ``external_kv_transfer`` (the second tier).
+- With a second KV tier (``--kv-offloading-size``): ``kvledger:kv_offload_blocks_stored`` and
+  ``kvledger:kv_offload_blocks_total`` (tier 2's blocks against its capacity, beside tier 1's
+  ``kv_blocks_allocated`` and ``kv_blocks_total``), ``kvledger:kv_offload_bytes`` (stored blocks x
+  block bytes), vLLM's ``kvledger:kv_offload_cpu_cache_usage_perc`` (stored over capacity, a
+  fraction) and ``kvledger:kv_offload_stores_skipped_total``, and the blocks copied each way
+  (``kvledger:kv_offload_store_blocks_total``, ``..._load_blocks_total``, ``..._evicted_blocks_total``).
 
 Latency histograms (seconds) are observed by the server per request: time to first token,
 inter-token latency (per engine step that produced tokens) and end-to-end latency. Token
@@ -23,6 +33,8 @@ from typing import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from kvledger.kvcache.manager import PROMPT_TOKEN_SOURCES
 
 PREFIX = "kvledger:"
 
@@ -51,7 +63,25 @@ _GAUGES = {
 _COUNTERS = {
     "prefix_cache_queries": ("prefix_cache_queries", "Prefix-cache queries, in tokens."),
     "prefix_cache_hits": ("prefix_cache_hits", "Prefix-cache hits, in tokens."),
+    "external_prefix_cache_queries": (lambda s: (s["offload"] or {}).get("queries", 0),
+                                      "Tokens asked of the second KV tier (past the pool's hit)."),
+    "external_prefix_cache_hits": (lambda s: (s["offload"] or {}).get("hits", 0),
+                                   "Tokens loaded from the second KV tier."),
     "num_preemptions": ("num_preemptions", "Requests preempted (recomputed) for lack of KV blocks."),
+}
+_OFFLOAD_GAUGES = {
+    # name: (key of the ledger's ``offload`` or callable, help)
+    "kv_offload_blocks_stored": ("stored_blocks", "Blocks held in the second KV tier."),
+    "kv_offload_blocks_total": ("capacity_blocks", "Blocks the second KV tier holds at most (its capacity line)."),
+    "kv_offload_bytes": ("bytes", "Bytes of the blocks in the second KV tier (stored blocks x block bytes)."),
+    "kv_offload_cpu_cache_usage_perc": (lambda o: o["stored_blocks"] / o["capacity_blocks"],
+                                        "Second KV tier usage: stored blocks over capacity. 1 means 100 percent."),
+}
+_OFFLOAD_COUNTERS = {
+    "kv_offload_stores_skipped": ("stores_skipped", "Stores into the second KV tier skipped (every slot pinned)."),
+    "kv_offload_store_blocks": ("blocks_stored", "Blocks copied into the second KV tier."),
+    "kv_offload_load_blocks": ("blocks_loaded", "Blocks copied from the second KV tier into the pool."),
+    "kv_offload_evicted_blocks": ("blocks_evicted", "Blocks the second KV tier dropped to make room."),
 }
 
 
@@ -62,16 +92,27 @@ class LedgerCollector(Collector):
         self._snapshot = snapshot
         self._labels = {"model_name": model_name}
 
+    def _families(self, specs: dict, values: dict, kind: type) -> Iterator:
+        """One family of ``kind`` per entry of ``specs`` (name -> (key of ``values`` or callable, help))."""
+        for name, (key, doc) in specs.items():
+            family = kind(PREFIX + name, doc, labels=list(self._labels))
+            family.add_metric(list(self._labels.values()), key(values) if callable(key) else values[key])
+            yield family
+
     def collect(self) -> Iterator:
         snap = self._snapshot()
-        for name, (key, doc) in _GAUGES.items():
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=list(self._labels))
-            g.add_metric(list(self._labels.values()), key(snap) if callable(key) else snap[key])
-            yield g
-        for name, (key, doc) in _COUNTERS.items():
-            c = CounterMetricFamily(PREFIX + name, doc, labels=list(self._labels))
-            c.add_metric(list(self._labels.values()), snap[key])
-            yield c
+        yield from self._families(_GAUGES, snap, GaugeMetricFamily)
+        yield from self._families(_COUNTERS, snap, CounterMetricFamily)
+        by_source = CounterMetricFamily(PREFIX + "prompt_tokens_by_source", "Prompt tokens of admitted requests by "
+                                        "source: computed, pool hit, loaded from the second KV tier.",
+                                        labels=[*self._labels, "source"])
+        for source in PROMPT_TOKEN_SOURCES:
+            by_source.add_metric([*self._labels.values(), source], snap["prompt_tokens_by_source"].get(source, 0))
+        yield by_source
+        offload = snap["offload"]
+        if offload is not None:
+            yield from self._families(_OFFLOAD_GAUGES, offload, GaugeMetricFamily)
+            yield from self._families(_OFFLOAD_COUNTERS, offload, CounterMetricFamily)
 
 
 class ServerMetrics:
