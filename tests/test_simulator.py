@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 
@@ -28,23 +29,18 @@ def sim_json(*args: str) -> dict:
 
 
 # ---- the same scheduler, proven ----------------------------------------------------------------
-@pytest.mark.slow
-def test_replay_of_a_recorded_engine_run_is_identical(tmp_path):
-    """The real SmolLM2 engine on a small pool (preemptions) with a shared prefix (prefix hits) and
-    late arrivals; its recorded step times as the simulator's clock: the same steps, the same
-    batches, and per request the same first-token step, finish step, preemptions and hits. The
-    records survive a step log (what 'serve --step-log' writes), and 'calibrate --step-log' fits a
-    profile from them that simulate takes for this model and refuses for another."""
+def _record_and_replay(config: EngineConfig, prompts: list[list[int]], max_tokens: list[int],
+                       arrive_at: dict[int, Sequence[int]]):
+    """Run the real engine on ``prompts`` (request ``i`` added before step ``k`` for ``i`` in
+    ``arrive_at[k]``, greedy, ``max_tokens[i]`` tokens), recording its steps; replay the same requests
+    in the simulator on the recorded step times (with the engine's KV offloading tier, if it has one,
+    its copies already in those times). Checks, step by step and per request, that the replay is the run: the same
+    batches and preemptions, first-token and finish steps, finish times, preemptions and prefix hits
+    by source. Returns (engine, records, simulated requests, the replica, the run's end time)."""
     from kvledger.engine.llm_engine import LLMEngine
     from kvledger.engine.sampling_params import SamplingParams
 
-    config = EngineConfig(model="smollm2-135m", dtype="float32", block_size=16, num_gpu_blocks_override=14,
-                          max_num_batched_tokens=48, max_num_seqs=8, max_model_len=224)
     engine = LLMEngine(config)
-    shared = list(range(1000, 1032))  # two full blocks every prompt starts with
-    prompts = [shared + [2000 + 100 * i + j for j in range(5 + 5 * (i % 5))] for i in range(8)]
-    max_tokens = [16 + 4 * (i % 4) for i in range(8)]
-    arrive_at = {0: range(5), 2: [5], 6: [6], 11: [7]}  # step -> requests added before it
     records = engine.step_records = []
     first_step: dict[str, int] = {}
     finish_step: dict[str, int] = {}
@@ -61,7 +57,6 @@ def test_replay_of_a_recorded_engine_run_is_identical(tmp_path):
                 finish_step[out.request_id] = step
         step += 1
     assert len(records) == step  # the engine was never idle, so step k is record k
-    assert engine.scheduler.num_preemptions > 0 and engine.kv_manager.stats.hits > 0
 
     walls = [r.wall_s for r in records]
     start, now = {}, 0.0
@@ -71,7 +66,14 @@ def test_replay_of_a_recorded_engine_run_is_identical(tmp_path):
     requests = [make_request(i, len(prompts[i]), max_tokens[i], start[k], prompt_token_ids=prompts[i],
                              request_id=f"r{i}") for k, ids in arrive_at.items() for i in ids]
     requests.sort(key=lambda r: (r.arrival_time, r.uid))
-    fleet = Fleet(config, 14, lambda: RecordedStepTimes(walls), replicas=1, router="round-robin")
+    offload = None
+    if engine.offload_capacity is not None:
+        from kvledger.sim.offload import OffloadTier
+
+        offload = OffloadTier(engine.offload_capacity, None, engine.kv_manager.offload.policy,
+                              engine.kv_manager.store_rule)
+    fleet = Fleet(config, engine.num_blocks, lambda: RecordedStepTimes(walls), replicas=1, router="round-robin",
+                  offload=offload)
     res = simulate(requests, fleet, record_steps=True)
     replica = res.replicas[0]
 
@@ -80,11 +82,29 @@ def test_replay_of_a_recorded_engine_run_is_identical(tmp_path):
         rid = sim.request_id
         assert (sim.first_token_step, sim.finish_step) == (first_step[rid], finish_step[rid]), rid
         assert sim.num_preemptions == real[rid].num_preemptions, rid
-        assert sim.num_cached_tokens == real[rid].num_cached_tokens, rid
+        assert (sim.num_cached_tokens, sim.num_offloaded_tokens) == (real[rid].num_cached_tokens,
+                                                                      real[rid].num_offloaded_tokens), rid
         assert sim.finish_time == pytest.approx(start.get(finish_step[rid] + 1, now)), rid
+    assert replica.kv.stats == engine.kv_manager.stats  # queries and hits of both tiers
+    return engine, records, requests, replica, now
+
+
+@pytest.mark.slow
+def test_replay_of_a_recorded_engine_run_is_identical(tmp_path):
+    """The real SmolLM2 engine on a small pool (preemptions) with a shared prefix (prefix hits) and
+    late arrivals; its recorded step times as the simulator's clock: the same steps, the same
+    batches, and per request the same first-token step, finish step, preemptions and hits. The
+    records survive a step log (what 'serve --step-log' writes), and 'calibrate --step-log' fits a
+    profile from them that simulate takes for this model and refuses for another."""
+    config = EngineConfig(model="smollm2-135m", dtype="float32", block_size=16, num_gpu_blocks_override=14,
+                          max_num_batched_tokens=48, max_num_seqs=8, max_model_len=224)
+    shared = list(range(1000, 1032))  # two full blocks every prompt starts with
+    prompts = [shared + [2000 + 100 * i + j for j in range(5 + 5 * (i % 5))] for i in range(8)]
+    max_tokens = [16 + 4 * (i % 4) for i in range(8)]
+    arrive_at = {0: range(5), 2: [5], 6: [6], 11: [7]}  # step -> requests added before it
+    engine, records, requests, replica, now = _record_and_replay(config, prompts, max_tokens, arrive_at)
+    assert engine.scheduler.num_preemptions > 0 and engine.kv_manager.stats.hits > 0
     assert replica.scheduler.num_preemptions == engine.scheduler.num_preemptions
-    assert (replica.kv.stats.hits, replica.kv.stats.queries) == (engine.kv_manager.stats.hits,
-                                                                 engine.kv_manager.stats.queries)
     assert replica.blocks_allocated_peak == engine.blocks_allocated_peak
 
     from kvledger.engine.step_log import StepLog, read_step_log
@@ -105,6 +125,26 @@ def test_replay_of_a_recorded_engine_run_is_identical(tmp_path):
     assert out["num_blocks"] == 14 and out["completed"] == 5
     assert_one_line_error(kvledger("simulate", "llama-3.1-8b", "--profile", str(tmp_path / "p.json"), "--workload",
                                    str(AZURE_CONV)), "measured on", "not llama-3.1-8b")
+
+
+@pytest.mark.slow
+def test_replay_of_a_recorded_engine_run_with_a_kv_offloading_tier_is_identical():
+    """The same with a second KV tier under a 14-block pool: three families of prompts take turns, so a
+    family's prefix leaves the pool and comes back from tier 2. The simulator's tier (the engine's
+    store and rule, its copies inside the recorded step times) gives every request the same hits by
+    source, and the tiers end holding the same blocks."""
+    config = EngineConfig(model="smollm2-135m", dtype="float32", block_size=16, num_gpu_blocks_override=14,
+                          max_num_batched_tokens=48, max_num_seqs=4, max_model_len=224, kv_offloading_size=0.005)
+    families = [list(range(1000 * f, 1000 * f + 80)) for f in (1, 3, 5)]  # five full blocks each: 15 > the pool
+    prompts = [families[i % 3] + [2000 + 100 * i + j for j in range(3 + 4 * (i % 3))] for i in range(7)]
+    max_tokens = [12 + 4 * (i % 3) for i in range(7)]
+    arrive_at = {4 * i: [i] for i in range(7)}
+    engine, _, requests, replica, _ = _record_and_replay(config, prompts, max_tokens, arrive_at)
+    stats = engine.kv_manager.stats
+    assert stats.offload_hits > 0 and stats.hits > 0
+    assert sum(r.num_offloaded_tokens for r in requests) == stats.offload_hits
+    tier, sim_tier = engine.kv_manager.offload, replica.kv.offload
+    assert dict(tier._policy.items()) == dict(sim_tier._policy.items())  # the same hashes in the same slots
 
 
 # ---- calibrate and profiles --------------------------------------------------------------------
