@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import THREADS  # noqa: E402
-from ceilings import bandwidth, matmul_flops  # noqa: E402
+from ceilings import print_ceilings  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -37,10 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(THREADS)
     from kvledger import LLM, SamplingParams
 
-    flops = matmul_flops()
-    read_bw, copy_bw = bandwidth()
-    print(f"ceilings: float32 matmul {flops / 1e9:.1f} GFLOP/s, read {read_bw / 1e9:.1f} GB/s, "
-          f"copy {copy_bw / 1e9:.1f} GB/s")
+    _, read_bw, _ = print_ceilings()
     prompt = [random.Random(1).randrange(1000, 40000) for _ in range(args.context)]
     engines = {}
     for kind in KINDS:

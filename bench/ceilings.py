@@ -60,3 +60,13 @@ def bandwidth(nbytes: int = 1 << 30, repeat: int = 6) -> tuple[float, float]:
         dst.copy_(src)
         copy = min(copy, time.perf_counter() - start)
     return nbytes / read, 2 * nbytes / copy
+
+
+def print_ceilings() -> tuple[float, float, float]:
+    """Measure and print the float32 matmul rate and the read and copy bandwidths; returns them
+    (FLOP/s, bytes/s, bytes/s)."""
+    flops = matmul_flops()
+    read_bw, copy_bw = bandwidth()
+    print(f"ceilings: float32 matmul {flops / 1e9:.1f} GFLOP/s, read {read_bw / 1e9:.1f} GB/s, "
+          f"copy {copy_bw / 1e9:.1f} GB/s")
+    return flops, read_bw, copy_bw

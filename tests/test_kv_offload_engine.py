@@ -4,15 +4,19 @@ tokens of a cold run; a disk tier outlives its process; the tier's size is the p
 
 from __future__ import annotations
 
-import json
+import re
+import subprocess
+import sys
+import time
 
+import httpx
 import pytest
 import torch
 
 from kvledger import LLM, SamplingParams
 from kvledger.errors import KVLedgerError
 from kvledger.kvcache.block_pool import prefix_block_hashes
-from tests.cli_helpers import assert_one_line_error, kvledger
+from tests.cli_helpers import assert_one_line_error, kvledger, stop
 
 BS = 16
 POOL = 8  # blocks of 16 tokens: 128 tokens, which PROMPT_B and its output fill
@@ -95,24 +99,39 @@ def test_the_tiers_blocks_are_the_planners_to_the_block(engines, kv_cache_dtype)
 
 
 # ---- the disk tier ---------------------------------------------------------------------------------
-GENERATE = ("generate", PROMPT_A, "--max-tokens", "6", "--block-size", str(BS), "--num-gpu-blocks-override",
-            str(POOL), "--max-model-len", str(POOL * BS), "--kv-offloading-size", str(TIER_GIB), "--json")
+ENGINE_FLAGS = ("--block-size", str(BS), "--num-gpu-blocks-override", str(POOL), "--max-model-len", str(POOL * BS),
+                "--kv-offloading-size", str(TIER_GIB))
+GENERATE = ("generate", PROMPT_A, "--max-tokens", "6", *ENGINE_FLAGS, "--json")
 
 
-def test_a_restarted_engine_serves_a_repeated_prompt_from_its_disk_tier(tmp_path):
+def test_a_restarted_server_serves_a_repeated_prompt_from_its_disk_tier(tmp_path):
+    """``generate`` computes a prompt and its process ends; a ``serve`` process on the same directory
+    answers the same prompt from the files: the same greedy text, tier-2 hits counted."""
     first = kvledger(*GENERATE, "--kv-offloading-path", str(tmp_path))
     assert first.returncode == 0, first.stderr
     first = first.json()
     files = sorted(p.name for p in tmp_path.glob("*.kv"))
     assert first["kv"]["offload"]["stored_blocks"] == len(files) >= 4  # the prompt's full blocks, written through
     assert first["kv"]["offload"]["hits"] == 0
-    second = kvledger(*GENERATE, "--kv-offloading-path", str(tmp_path))  # a new process on the same directory
-    assert second.returncode == 0, second.stderr
-    second = second.json()
-    assert second["token_ids"] == first["token_ids"]
-    hits = second["kv"]["prompt_tokens_by_source"]["external_kv_transfer"]
-    assert hits == second["kv"]["offload"]["hits"] == len(files) * BS
-    assert second["kv"]["prompt_tokens_by_source"]["local_cache_hit"] == 0
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvledger.cli.main", "serve", *ENGINE_FLAGS, "--port", "0",
+                                 "--kv-offloading-path", str(tmp_path)], stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 180
+            while not (found := re.search(r" on (http://127\.0\.0\.1:\d+) ", log_path.read_text())):
+                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.2)
+            assert f"{len(files)} found" in log_path.read_text()
+            url = found.group(1)
+            reply = httpx.post(url + "/v1/completions", timeout=120, json={
+                "model": "smollm2-135m", "prompt": PROMPT_A, "max_tokens": 6, "temperature": 0}).json()
+            ledger = httpx.get(url + "/ledger", timeout=30).json()
+        finally:
+            stop(proc)
+    assert reply["choices"][0]["text"] == first["text"]
+    assert ledger["prompt_tokens_by_source"]["external_kv_transfer"] == ledger["offload"]["hits"] == len(files) * BS
+    assert ledger["prompt_tokens_by_source"]["local_cache_hit"] == 0
     assert sorted(p.name for p in tmp_path.glob("*.kv")) == files
     # a directory written for another cache is refused, not read
     other = kvledger(*GENERATE, "--kv-offloading-path", str(tmp_path), "--kv-cache-dtype", "int8")

@@ -113,4 +113,12 @@ def _ledger_table(ledger, model: str, prompt_tokens: int, completion) -> str:  #
         ("preemptions", str(ledger.num_preemptions)),
         ("free blocks holding cached prefixes", str(ledger.blocks_cached_free)),
     ]
+    off = ledger.offload
+    if off is not None:
+        where = f"files in {off.path}" if off.backend == "disk" else "host memory"
+        rows += [
+            (f"second KV tier ({where})", f"{off.stored_blocks} of {off.capacity_blocks} blocks stored, "
+                                          f"{off.bytes:,} B = {format_bytes(off.bytes)}"),
+            ("tier-2 hits", f"{off.hits} of {off.queries} tokens asked of it were loaded"),
+        ]
     return tabulate(rows, tablefmt="simple")

@@ -91,10 +91,16 @@ def run(args: argparse.Namespace) -> int:
             "num_blocks": ledger.num_blocks, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
             "max_num_seqs": engine.config.max_num_seqs})
 
+    tier = ""
+    if ledger.offload is not None:
+        off = ledger.offload
+        where = f"files under {off.path}, {off.stored_blocks} found" if off.backend == "disk" else "host memory"
+        tier = f"; KV offloading tier {off.capacity_blocks} blocks ({where})"
+
     def ready(url: str) -> None:
         print(f"kvledger serve: {name} on {url} (OpenAI API at {url}/v1, metrics at {url}/metrics, "
               f"dashboard at {url}/dashboard); KV pool {ledger.num_blocks} blocks x {ledger.block_size} tokens, "
-              f"max-model-len {engine.max_model_len}", flush=True)
+              f"max-model-len {engine.max_model_len}{tier}", flush=True)
 
     try:
         server = asyncio.run(serve_async(app, sock, ready, log_level=args.log_level))
