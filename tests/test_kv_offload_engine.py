@@ -4,10 +4,12 @@ tokens of a cold run; a disk tier outlives its process; the tier's size is the p
 
 from __future__ import annotations
 
+import gc
 import re
 import subprocess
 import sys
 import time
+import weakref
 
 import httpx
 import pytest
@@ -152,6 +154,10 @@ def test_a_block_file_that_went_bad_ends_only_the_request_that_needed_it(tmp_pat
     assert _tokens(again) == _tokens(cold)
     engine.check_integrity()
     assert engine.ledger().blocks_allocated == 0
+    pool = weakref.ref(engine.cache.storage)
+    engine.shutdown()  # the tier lets go of the pool's tensors with the runner
+    gc.collect()
+    assert pool() is None and engine.ledger().offload.stored_blocks > 0
 
 
 def test_offloading_refusals_are_one_line():

@@ -100,8 +100,11 @@ class LLMEngine:
                                 f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks (nothing to do at TP 1); the engine runs no steps after."""
+        """Stop the tensor-parallel ranks (nothing to do at TP 1) and let go of the weights, the KV
+        cache and the offloading tier's memory; the engine runs no steps after."""
         self.runner.shutdown()
+        if self.offload_tier is not None:
+            self.offload_tier.close()
 
     def _eos_ids(self, model_dir: Path) -> frozenset[int]:
         ids: set[int] = set()

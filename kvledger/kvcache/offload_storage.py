@@ -89,24 +89,43 @@ def _host_bytes(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.uint8, pin_memory=device.type == "cuda")
 
 
-class HostKVTier:
+class _Tier:
+    """What both tiers share: the cache's block layout, checked against the size the tier was given,
+    and :meth:`close`."""
+
+    def __init__(self, cache: KVCache, capacity: OffloadCapacity) -> None:
+        self.block = _BlockBytes(cache)
+        if self.block.block_bytes != capacity.rank_block_bytes:
+            raise AssertionError(f"a cache block holds {self.block.block_bytes} bytes but the tier was sized for "
+                                 f"{capacity.rank_block_bytes}")
+        self.closed = False
+
+    def close(self) -> None:
+        """Let go of the cache's tensors and the tier's memory (the engine was shut down); no copy runs after."""
+        self.closed = True
+        self.block.tensors = []
+        for name in ("buffer", "_staging"):
+            self.__dict__.pop(name, None)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise KVLedgerError("the engine was shut down; its KV offloading tier copies nothing more")
+
+
+class HostKVTier(_Tier):
     """Tier-2 slots in host memory: ``capacity.num_blocks`` rows of ``capacity.slot_bytes`` bytes."""
 
     backend = "host"
     path: str | None = None
 
     def __init__(self, cache: KVCache, capacity: OffloadCapacity) -> None:
-        self.block = _BlockBytes(cache)
-        _check_block_bytes(self.block, capacity)
+        super().__init__(cache, capacity)
         self.buffer = _host_bytes((capacity.num_blocks, capacity.slot_bytes), cache.storage.device)
         """The region: its bytes are ``num_blocks x slot_bytes`` (untouched pages cost no memory until stored to)."""
 
-    @property
-    def allocated_bytes(self) -> int:
-        return self.buffer.numel()
-
     def run(self, transfers: KVTransfers) -> None:
         """Every store, then every load (synchronous copies)."""
+        self._check_open()
         for st in transfers.stores:
             self.block.to_row(st.block_id, self.buffer[st.slot])
         for ld in transfers.loads:
@@ -116,15 +135,14 @@ class HostKVTier:
         """(slot, hash) pairs the store dropped after a failed copy: nothing to undo in memory."""
 
 
-class DiskKVTier:
+class DiskKVTier(_Tier):
     """Tier-2 slots as files under ``path``, one per stored block (see the module's docstring)."""
 
     backend = "disk"
 
     def __init__(self, cache: KVCache, capacity: OffloadCapacity, path: str | os.PathLike[str],
                  identity: dict[str, Any], store: OffloadStore) -> None:
-        self.block = _BlockBytes(cache)
-        _check_block_bytes(self.block, capacity)
+        super().__init__(cache, capacity)
         self.dir = Path(path)
         self.path = str(path)
         self._staging = _host_bytes((capacity.slot_bytes,), cache.storage.device)
@@ -132,10 +150,6 @@ class DiskKVTier:
         manifest = {"format": DISK_FORMAT, **identity, "block_bytes": self.block.block_bytes}
         _open_directory(self.dir, manifest)
         self._rebuild(store)
-
-    @property
-    def allocated_bytes(self) -> int:
-        return self._staging.numel()
 
     def _file(self, block_hash: BlockHash) -> Path:
         return self.dir / (block_hash.hex() + BLOCK_SUFFIX)
@@ -169,6 +183,7 @@ class DiskKVTier:
 
     def run(self, transfers: KVTransfers) -> None:
         """Every store (a file written whole, then renamed), then every load (a file read back)."""
+        self._check_open()
         row, size = self._staging, self.block.block_bytes
         for st in transfers.stores:
             self._take_slot(st.slot, st.block_hash)
@@ -192,13 +207,6 @@ class DiskKVTier:
             if self._slot_hash.get(slot) == block_hash:
                 del self._slot_hash[slot]
             self._file(block_hash).unlink(missing_ok=True)
-
-
-def _check_block_bytes(block: _BlockBytes, capacity: OffloadCapacity) -> None:
-    """The cache's real block equals the block the tier was sized by (Eq 2.2's page, scales included)."""
-    if block.block_bytes != capacity.rank_block_bytes:
-        raise AssertionError(f"a cache block holds {block.block_bytes} bytes but the tier was sized for "
-                             f"{capacity.rank_block_bytes}")
 
 
 def _open_directory(directory: Path, manifest: dict[str, Any]) -> None:
