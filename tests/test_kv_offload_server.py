@@ -127,3 +127,4 @@ def test_the_dashboard_charts_tier_2_against_its_capacity_and_hits_by_source(run
     assert int(data["offload-capacity"]) == idle["offload"]["capacity_blocks"]
     assert 0 < int(data["max-offload-stored"]) <= int(data["offload-capacity"])
     assert int(data["sum-offload-hits"]) > 0 and int(data["sum-computed"]) > 0
+    assert float(data["hit-rate"]) == pytest.approx(100 * hit_rate(idle))  # both tiers' hits, not the pool's alone
