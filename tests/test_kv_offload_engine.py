@@ -34,17 +34,12 @@ def _llm(kv_cache_dtype: str = "auto", **kw) -> LLM:
                kv_offloading_size=TIER_GIB, **kw)
 
 
-@pytest.fixture(scope="module")
-def engines():
-    """One engine with a host tier per cache dtype, built when a test first asks for it."""
-    built: dict[str, LLM] = {}
-
-    def get(kv_cache_dtype: str) -> LLM:
-        if kv_cache_dtype not in built:
-            built[kv_cache_dtype] = _llm(kv_cache_dtype)
-        return built[kv_cache_dtype]
-
-    return get
+@pytest.fixture(scope="module", params=["auto", "bfloat16", "int8"])
+def tiered(request) -> LLM:
+    """An engine with a host tier per cache dtype, one at a time (pytest groups the tests by it)."""
+    llm = _llm(request.param)
+    yield llm
+    llm.llm_engine.shutdown()
 
 
 def _block_bytes(llm: LLM, block_id: int) -> bytes:
@@ -57,9 +52,8 @@ def _tokens(out) -> list[int]:
     return list(out.outputs[0].token_ids)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_blocks_the_pool_evicted_come_back_from_host_memory_byte_for_byte(engines, kv_cache_dtype):
-    llm = engines(kv_cache_dtype)
+def test_blocks_the_pool_evicted_come_back_from_host_memory_byte_for_byte(tiered):
+    llm = tiered
     engine = llm.llm_engine
     ids = llm.get_tokenizer().encode(PROMPT_A)
     hashes = prefix_block_hashes(ids, BS)[:(len(ids) - 1) // BS]  # the blocks a later hit can cover
@@ -86,12 +80,10 @@ def test_blocks_the_pool_evicted_come_back_from_host_memory_byte_for_byte(engine
     assert after.blocks_allocated == 0
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "int8"])
-def test_the_tiers_blocks_are_the_planners_to_the_block(engines, kv_cache_dtype):
-    llm = engines(kv_cache_dtype)
-    engine = llm.llm_engine
+def test_the_tiers_blocks_are_the_planners_to_the_block(tiered):
+    engine = tiered.llm_engine
     plan = kvledger("plan", "smollm2-135m", "--gpu", "h100-80gb", "--block-size", str(BS), "--kv-cache-dtype",
-                    "float32" if kv_cache_dtype == "auto" else kv_cache_dtype, "--kv-offloading-size", str(TIER_GIB),
+                    engine.kv_cache_dtype, "--kv-offloading-size", str(TIER_GIB),
                     "--json").json()
     ledger = engine.ledger().offload
     assert plan["offload_capacity_blocks"] == ledger.capacity_blocks == engine.offload_tier.buffer.shape[0]
