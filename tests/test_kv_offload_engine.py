@@ -42,10 +42,9 @@ def tiered(request) -> LLM:
     llm.llm_engine.shutdown()
 
 
-def _block_bytes(llm: LLM, block_id: int) -> bytes:
+def _block_bytes(cache, block_id: int) -> bytes:
     """A pool block's bytes as the cache holds them (elements, and an int8 cache's scales)."""
-    return b"".join(t[:, :, block_id].contiguous().view(torch.uint8).numpy().tobytes()
-                    for t in llm.llm_engine.cache.block_tensors())
+    return b"".join(t[:, :, block_id].contiguous().view(torch.uint8).numpy().tobytes() for t in cache.block_tensors())
 
 
 def _tokens(out) -> list[int]:
@@ -59,7 +58,7 @@ def test_blocks_the_pool_evicted_come_back_from_host_memory_byte_for_byte(tiered
     hashes = prefix_block_hashes(ids, BS)[:(len(ids) - 1) // BS]  # the blocks a later hit can cover
     assert len(hashes) >= 4
     cold = llm.generate(PROMPT_A, GREEDY, use_tqdm=False)[0]
-    stored = {h: _block_bytes(llm, engine.pool.lookup(h)) for h in hashes}
+    stored = {h: _block_bytes(engine.cache, engine.pool.lookup(h)) for h in hashes}
     before = engine.ledger()
     llm.generate(PROMPT_B, GREEDY, use_tqdm=False)  # fills the pool: every block of A is evicted into tier 2
     assert all(engine.pool.lookup(h) is None for h in hashes)
@@ -67,7 +66,7 @@ def test_blocks_the_pool_evicted_come_back_from_host_memory_byte_for_byte(tiered
     warm = llm.generate(PROMPT_A, GREEDY, use_tqdm=False)[0]
     assert _tokens(warm) == _tokens(cold)
     assert warm.num_cached_tokens == len(hashes) * BS
-    assert {h: _block_bytes(llm, engine.pool.lookup(h)) for h in hashes} == stored  # the round trip is exact
+    assert {h: _block_bytes(engine.cache, engine.pool.lookup(h)) for h in hashes} == stored  # the round trip is exact
     after = engine.ledger()
     loaded = len(hashes) * BS
     gained = {k: after.prompt_tokens_by_source[k] - before.prompt_tokens_by_source[k] for k in before.prompt_tokens_by_source}
@@ -161,3 +160,41 @@ def test_offloading_refusals_are_one_line():
     assert_one_line_error(result, "prefix caching")
     result = kvledger(*GENERATE, "--kv-offloading-backend", "lmcache")
     assert_one_line_error(result, "lmcache")
+
+
+# ---- the disk tier's files, without a model ----------------------------------------------------------
+def test_a_disk_tier_rebuilt_over_its_capacity_keeps_the_newest_files(tmp_path):
+    """Five blocks written by one tier; a tier of three slots on the same directory keeps the three
+    written last (the store's LRU order is the files' age), deletes the others, and loads their bytes."""
+    import os
+
+    from kvledger.kvcache.offload import KVTransfers, LoadBlock, OffloadStore, StoreBlock
+    from kvledger.kvcache.offload_storage import DiskKVTier
+    from kvledger.kvcache.quantized_storage import Int8KVCache
+    from kvledger.spec.offload import offload_capacity
+
+    def tier(slots: int) -> tuple[Int8KVCache, OffloadStore, DiskKVTier]:
+        cache = Int8KVCache(2, 6, 4, 1, 8, torch.float32)
+        block_bytes = cache.measured_bytes // cache.num_blocks
+        capacity = offload_capacity(slots * 4096 / 2**30, block_bytes, 4)
+        store = OffloadStore(capacity.num_blocks)
+        return cache, store, DiskKVTier(cache, capacity, tmp_path, {"model": "tiny"}, store)
+
+    cache, store, disk = tier(5)
+    for layer in range(2):  # int8 elements and their float16 scales, different in every slot
+        cache.write(layer, torch.randn(24, 1, 8), torch.randn(24, 1, 8), torch.arange(24))
+    hashes = [bytes([i]) * 32 for i in range(5)]
+    disk.run(KVTransfers(stores=[StoreBlock(b, h, store.store(h)) for b, h in enumerate(hashes)]))
+    for age, h in enumerate(hashes):  # written one after another: the first is the oldest
+        os.utime(tmp_path / (h.hex() + ".kv"), ns=(10**18 + age, 10**18 + age))
+    written = [_block_bytes(cache, b) for b in range(5)]
+
+    cache, store, disk = tier(3)
+    assert store.num_stored == 3 and sorted(p.stem for p in tmp_path.glob("*.kv")) == [h.hex() for h in hashes[2:]]
+    assert store.match(hashes) == [] and len(store.match(hashes[2:])) == 3
+    loads = [LoadBlock(store.lookup(h), b, h) for b, h in zip((5, 0, 3), hashes[2:])]
+    disk.run(KVTransfers(loads=loads))
+    assert [_block_bytes(cache, b) for b in (5, 0, 3)] == written[2:]
+    with pytest.raises(KVLedgerError, match="model 'tiny' \\(now 'other'\\)"):
+        DiskKVTier(cache, offload_capacity(1, cache.measured_bytes // 6, 4), tmp_path, {"model": "other"},
+                   OffloadStore(3))
