@@ -23,7 +23,10 @@ one KV-cache group; a *slot* is one token's place in a block: ``block * block_si
 **Storage** (torch): :class:`~kvledger.kvcache.storage.KVCache` and its 8-bit variants
 (:mod:`~kvledger.kvcache.quantized_storage`, formats in :mod:`~kvledger.kvcache.quantization`)
 hold the pool tensors; attention writes by slot and reads by block table
-(:class:`PagedKVStorage`). The bytes they allocate are Eq 2.2's, from :mod:`kvledger.spec`.
+(:class:`PagedKVStorage`). The bytes they allocate are Eq 2.2's, from :mod:`kvledger.spec`. The
+second tier's bytes (:mod:`~kvledger.kvcache.offload_storage`: host memory, or one file per block on
+disk) run each step's :class:`~kvledger.kvcache.offload.KVTransfers`, copying a block exactly as
+:meth:`~kvledger.kvcache.storage.KVCache.block_tensors` holds it.
 """
 
 from __future__ import annotations
