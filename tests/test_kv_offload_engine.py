@@ -145,9 +145,15 @@ def test_a_block_file_that_went_bad_ends_only_the_request_that_needed_it(tmp_pat
     assert _tokens(again) == _tokens(cold)
     engine.check_integrity()
     assert engine.ledger().blocks_allocated == 0
+    ids = llm.get_tokenizer().encode("Counting slowly from one: one, two, three, four, five, six, seven, eight, nine.")
+    engine.add_request("cut", ids, SamplingParams(max_tokens=8, temperature=0))
+    engine.step()  # the prompt is computed; its blocks are stored into tier 2 at the next step ...
+    engine.abort_request("cut")  # ... which never comes
+    on_disk = len(list(tmp_path.glob("*.kv")))
     pool = weakref.ref(engine.cache.storage)
-    engine.shutdown()  # the tier lets go of the pool's tensors with the runner
+    engine.shutdown()  # writes them, then the tier lets go of the pool's tensors with the runner
     gc.collect()
+    assert len(list(tmp_path.glob("*.kv"))) == on_disk + len(ids) // BS
     assert pool() is None and engine.ledger().offload.stored_blocks > 0
 
 

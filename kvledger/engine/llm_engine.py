@@ -101,7 +101,10 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks (nothing to do at TP 1) and let go of the weights, the KV
-        cache and the offloading tier's memory; the engine runs no steps after."""
+        cache and the offloading tier's memory; the engine runs no steps after. A disk tier first
+        writes the blocks still waiting to be stored (the last step's, when a request was aborted)."""
+        if self.offload_tier is not None and not self.runner.closed:
+            self._flush_stores()
         self.runner.shutdown()
         if self.offload_tier is not None:
             self.offload_tier.close()
