@@ -41,5 +41,5 @@ TEST_WORKERS ?= 2
 # The Ray fleet's tests run after the rest, alone: two engine replicas beside a test worker that
 # holds a model went past Ray's memory threshold on a 24 GB machine.
 test: install-dev
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/test_cluster.py
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/test_cluster.py
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/test_cluster.py --ignore=tests/test_cluster_cli.py
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/test_cluster.py tests/test_cluster_cli.py

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import os
 import sys
 
 import pytest
+
+from tests.memory import release_freed_memory
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # for every test: nothing may download from a model hub
 # short OpenMP spin-waits: the suite shares its cores (see kvledger/engine/__init__.py)
@@ -68,16 +68,6 @@ def capability(request):
 
 
 # ---- memory: what a test file built is returned after it -----------------------------------------
-def _trim_heap() -> None:
-    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere nothing).
-    A freed engine's 1-2 GB otherwise stay in the worker's heap, and the next file's models are
-    allocated beside them."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _release_memory_after_each_file():
     """After each test file: stop the shared server, drop its references and return the freed
@@ -87,8 +77,7 @@ def _release_memory_after_each_file():
     harness = sys.modules.get("tests.server_harness")
     if harness is not None:
         harness.release()
-    gc.collect()
-    _trim_heap()
+    release_freed_memory()
 
 
 # ---- the suite's order ----------------------------------------------------------------------------
@@ -98,10 +87,10 @@ AMX Xeon). `make test` hands whole files to two workers (``--dist loadfile``) in
 one of these started last would run on alone while the other worker idles, so they start first.
 A worker holds one file's models at a time (``_release_memory_after_each_file``): its peak was
 about 5 GB on a 23 GiB AVX2 EPYC (test_gemma3.py; 9.5 to 11.5 GB when files kept theirs). The
-Ray cluster's replicas (test_cluster.py, about 4 GB more) run last; ``make test`` runs that file
-in a second pytest, alone, as a worker that holds a model may still be running beside it (Ray's
+Ray cluster's replicas (test_cluster.py and test_cluster_cli.py, about 4 GB more) run last; ``make
+test`` runs those files in a second pytest, alone, as a worker that holds a model may still be running beside it (Ray's
 memory monitor ended the replicas at 95% of 24 GB)."""
-LAST_FILES = ("test_cluster.py",)
+LAST_FILES = ("test_cluster.py", "test_cluster_cli.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

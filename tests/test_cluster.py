@@ -19,6 +19,8 @@ import time
 
 import pytest
 
+from tests.memory import release_freed_memory
+
 ray = pytest.importorskip("ray")
 
 PREFIXES, PREFIX_TOKENS, REQUESTS = 16, 128, 96
@@ -33,26 +35,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _release_idle_memory() -> None:
-    """Give back what this test process freed but still holds: a pytest worker that ran the engine
-    files before this one can hold many GiB, and Ray's memory monitor kills actors (the Serve
-    controller among them) once the machine's memory is 95% used."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
-
-
 @pytest.fixture(scope="module")
 def fleet():
     from kvledger.cluster import launch
     from kvledger.cluster.deployment import NAMESPACE
 
-    _release_idle_memory()
+    release_freed_memory()  # what the test process freed before: Ray's memory monitor counts it
     ray.init(num_cpus=2, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
              object_store_memory=256 * 2**20)  # bytes: the fleet passes small objects only
     port = _free_port()
