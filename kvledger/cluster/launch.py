@@ -7,6 +7,8 @@ and ``default``, Ray Serve's own (power of two choices over queue lengths), for 
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,10 +81,14 @@ def deploy(engine_kwargs: dict[str, Any], app_kwargs: dict[str, Any], num_replic
 
 
 def shutdown() -> None:
-    """Stop Serve (replicas, ingress, proxy) and this process's Ray."""
+    """Stop Serve (replicas, ingress, proxy) and this process's Ray. What Ray prints meanwhile goes
+    to stderr, so that stdout carries the CLI's own lines only: Ray's driver prints the errors its
+    raylet reports on stdout, in colour, and Serve's own shutdown makes one (it kills the controller
+    while that actor's ``graceful_shutdown`` task is still retrying)."""
     global _board
     ray, serve = ray_serve()
     _board = None
     if ray.is_initialized():
-        serve.shutdown()
-        ray.shutdown()
+        with contextlib.redirect_stdout(sys.stderr):
+            serve.shutdown()
+            ray.shutdown()
