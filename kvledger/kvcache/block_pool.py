@@ -48,6 +48,18 @@ def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[Block
     return hashes
 
 
+def leading_run(hashes: Iterable[BlockHash], lookup: Callable[[BlockHash], int | None]) -> list[int]:
+    """What ``lookup`` gives for each of the leading ``hashes``, up to the first it has not: the
+    longest cached prefix, in blocks (of the pool) or slots (of the second tier)."""
+    found: list[int] = []
+    for block_hash in hashes:
+        index = lookup(block_hash)
+        if index is None:
+            break
+        found.append(index)
+    return found
+
+
 @dataclass
 class Block:
     block_id: int
@@ -119,14 +131,7 @@ class BlockPool:
         the scheduler asks it for the head of the waiting queue every step)."""
         if not self.enable_caching:
             return []
-        get = self._cached.get
-        hits: list[int] = []
-        for block_hash in hashes:
-            block_id = get(block_hash)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
+        return leading_run(hashes, self._cached.get)
 
     # ---- ownership ------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Container, Iterable, Sequence
 
 from kvledger.errors import KVLedgerError
+from kvledger.kvcache.block_pool import leading_run
 from kvledger.kvcache.interface import BlockHash
 
 EVICTION_POLICIES = ("lru", "arc")
@@ -229,14 +230,7 @@ class OffloadStore:
 
     def match(self, hashes: Iterable[BlockHash]) -> list[int]:
         """The slots of the longest run of leading ``hashes`` that is stored."""
-        get = self._policy.get
-        slots: list[int] = []
-        for block_hash in hashes:
-            slot = get(block_hash)
-            if slot is None:
-                break
-            slots.append(slot)
-        return slots
+        return leading_run(hashes, self._policy.get)
 
     # ---- changes ---------------------------------------------------------------------------
     def store(self, block_hash: BlockHash) -> int | None:
