@@ -12,6 +12,7 @@ import pytest
 
 from kvledger.config import EngineConfig
 from kvledger.sim.driver import RecordedStepTimes
+from kvledger.sim.replay import on_recorded_clock, step_periods
 from kvledger.sim.requests import make_request
 from kvledger.sim.simulate import Fleet, simulate
 from tests.cli_helpers import assert_one_line_error, kvledger
@@ -33,7 +34,7 @@ def _record_and_replay(config: EngineConfig, prompts: list[list[int]], max_token
                        arrive_at: dict[int, Sequence[int]]):
     """Run the real engine on ``prompts`` (request ``i`` added before step ``k`` for ``i`` in
     ``arrive_at[k]``, greedy, ``max_tokens[i]`` tokens), recording its steps; replay the same requests
-    in the simulator on the recorded step times (with the engine's KV offloading tier, if it has one,
+    in the simulator on the run's recorded clock, :mod:`kvledger.sim.replay` (with the engine's KV offloading tier, if it has one,
     its copies already in those times). Checks, step by step and per request, that the replay is the run: the same
     batches and preemptions, first-token and finish steps, finish times, preemptions and prefix hits
     by source. Returns (engine, records, simulated requests, the replica, the run's end time)."""
@@ -58,21 +59,27 @@ def _record_and_replay(config: EngineConfig, prompts: list[list[int]], max_token
         step += 1
     assert len(records) == step  # the engine was never idle, so step k is record k
 
-    walls = [r.wall_s for r in records]
+    periods = step_periods(records)
     start, now = {}, 0.0
-    for k, w in enumerate(walls):  # the virtual time at which step k starts, summed as the driver sums it
+    for k, w in enumerate(periods):  # the virtual time at which step k starts, summed as the driver sums it
         start[k] = now
         now = now + w
-    requests = [make_request(i, len(prompts[i]), max_tokens[i], start[k], prompt_token_ids=prompts[i],
-                             request_id=f"r{i}") for k, ids in arrive_at.items() for i in ids]
-    requests.sort(key=lambda r: (r.arrival_time, r.uid))
+    # the workload as a trace would give it (no times, other ids); the recorded clock sets both
+    workload = [make_request(i, len(prompts[i]), max_tokens[i], 0.0, prompt_token_ids=prompts[i])
+                for i in range(len(prompts))]
+    requests = on_recorded_clock(workload, records)
+    assert [r.request_id for r in requests] == [f"r{i}" for k in sorted(arrive_at) for i in arrive_at[k]]
+    for k, ids in arrive_at.items():  # taken after the step before ended, by the time step k started
+        for i in ids:
+            arrival = next(r for r in requests if r.request_id == f"r{i}").arrival_time
+            assert (start[k - 1] + records[k - 1].wall_s if k else 0.0) <= arrival <= start[k]
     offload = None
     if engine.offload_capacity is not None:
         from kvledger.sim.offload import OffloadTier
 
         offload = OffloadTier(engine.offload_capacity, None, engine.kv_manager.offload.policy,
                               engine.kv_manager.store_rule)
-    fleet = Fleet(config, engine.num_blocks, lambda: RecordedStepTimes(walls), replicas=1, router="round-robin",
+    fleet = Fleet(config, engine.num_blocks, lambda: RecordedStepTimes(periods), replicas=1, router="round-robin",
                   offload=offload)
     res = simulate(requests, fleet, record_steps=True)
     replica = res.replicas[0]
@@ -189,6 +196,83 @@ def test_busy_pauses_count_only_the_gaps_where_the_engine_stayed_busy():
              StepRecord(3, [("b", 0, 4)], 1, start_s=15.85, wall_s=0.2),  # next starts before this ends
              StepRecord(4, [("b", 4, 1)], 1, start_s=16.0, wall_s=0.1)]   # the last step: no next
     assert busy_pauses(steps) == pytest.approx([0.1, 0.0, 0.0, 0.0, 0.0])
+
+
+def test_the_recorded_clock_runs_start_to_start_and_takes_requests_when_the_engine_did():
+    """Periods from one step's start to the next (an idle wait belongs to the step before it), the
+    last step its wall time; arrivals in virtual seconds from the first step's start (what came
+    before it, at 0), matched to the workload by shape, in the engine's order, with its ids."""
+    from kvledger.engine.outputs import Arrival, StepRecord
+    from kvledger.errors import KVLedgerError
+
+    steps = [StepRecord(0, [("x", 0, 8), ("y", 0, 4)], 2, start_s=10.0, wall_s=0.1,
+                        arrivals=[Arrival("y", 4, 2, 9.95), Arrival("x", 8, 3, 9.9)]),
+             StepRecord(1, [("x", 8, 1), ("y", 4, 1), ("z", 0, 8)], 3, start_s=10.1, wall_s=0.1,
+                        arrivals=[Arrival("z", 8, 1, 10.06)]),
+             StepRecord(2, [("x", 9, 1)], 1, start_s=10.2, wall_s=0.05),
+             StepRecord(3, [("w", 0, 4)], 1, start_s=12.0, wall_s=0.2,  # after 1.75 s idle
+                        arrivals=[Arrival("w", 4, 1, 11.9)])]
+    assert step_periods(steps) == pytest.approx([0.1, 0.1, 1.8, 0.2])
+    # the workload in its own order and ids: two of the same shape (8 tokens), told apart by max_tokens
+    workload = [make_request(0, 8, 1, 0.0), make_request(1, 8, 3, 0.0), make_request(2, 4, 2, 0.0),
+                make_request(3, 4, 1, 0.0)]
+    taken = on_recorded_clock(workload, steps)
+    assert [(r.request_id, r.uid) for r in taken] == [("x", 1), ("y", 2), ("z", 0), ("w", 3)]
+    assert [r.arrival_time for r in taken] == pytest.approx([0.0, 0.0, 0.06, 1.9])
+
+    with pytest.raises(KVLedgerError, match="took 4 requests and the workload has 3"):
+        on_recorded_clock(workload[:3], steps)
+    with pytest.raises(KVLedgerError, match=r"request w \(4 prompt tokens, max_tokens 1\) is not in the workload"):
+        on_recorded_clock([*workload[:3], make_request(3, 5, 1, 0.0)], steps)
+    with pytest.raises(KVLedgerError, match="records no arrivals"):
+        on_recorded_clock(workload, [StepRecord(0, [("x", 0, 8)], 1, start_s=0.0, wall_s=0.1)])
+
+
+@pytest.mark.slow
+def test_replay_takes_requests_that_came_while_the_engine_was_idle_or_mid_run_as_it_did():
+    """The real engine taking requests in three waves (before the first step, between two steps of a
+    running batch, and after an idle wait of 50 ms with nothing to do): replayed on the recorded
+    clock, every step's batch and preemptions are the run's."""
+    import time
+
+    from kvledger.engine.llm_engine import LLMEngine
+    from kvledger.engine.sampling_params import SamplingParams
+
+    config = EngineConfig(model="smollm2-135m", dtype="float32", block_size=16, num_gpu_blocks_override=8,
+                          max_num_batched_tokens=48, max_num_seqs=4, max_model_len=128)
+    prompts = [[3000 + 100 * i + j for j in range(9 + 7 * i)] for i in range(6)]
+    max_tokens = [10 + 3 * i for i in range(6)]
+    engine = LLMEngine(config)
+    records = engine.step_records = []
+
+    def add(i: int) -> None:
+        engine.add_request(f"q{i}", prompts[i], SamplingParams(max_tokens=max_tokens[i], temperature=0,
+                                                                 ignore_eos=True))
+
+    for i in (0, 1, 2):
+        add(i)
+    for _ in range(3):
+        engine.step()
+    add(3)
+    while engine.has_unfinished_requests():
+        engine.step()
+    time.sleep(0.05)
+    assert engine.step() == []  # idle: nothing scheduled, nothing recorded
+    add(4)
+    add(5)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.scheduler.num_preemptions > 0  # eight blocks: the third wave does not fit whole
+
+    workload = [make_request(i, len(p), max_tokens[i], 0.0, prompt_token_ids=p) for i, p in enumerate(prompts)]
+    requests = on_recorded_clock(workload, records)
+    periods = step_periods(records)
+    fleet = Fleet(config, engine.num_blocks, lambda: RecordedStepTimes(periods), replicas=1, router="round-robin")
+    replica = simulate(requests, fleet, record_steps=True).replicas[0]
+    assert [(r.batch, r.preempted) for r in replica.records] == [(r.batch, r.preempted) for r in records]
+    assert replica.scheduler.num_preemptions == engine.scheduler.num_preemptions
+    assert replica.blocks_allocated_peak == engine.blocks_allocated_peak
+    engine.shutdown()
 
 
 def test_calibrate_refuses_what_is_not_a_step_log(tmp_path):

@@ -32,8 +32,8 @@ import torch
 from kvledger.config import EngineConfig
 from kvledger.engine.limits import check_request_length
 from kvledger.engine.model_runner import ModelRunner
-from kvledger.engine.outputs import (CompletionOutput, KVGroupLedger, KVLedger, OffloadLedger, RequestOutput,
-                                     StepRecord)
+from kvledger.engine.outputs import (Arrival, CompletionOutput, KVGroupLedger, KVLedger, OffloadLedger,
+                                     RequestOutput, StepRecord)
 from kvledger.engine.sampler import sample
 from kvledger.engine.sampling_params import SamplingParams
 from kvledger.engine.scheduler import Scheduler, SchedulerOutput
@@ -85,6 +85,7 @@ class LLMEngine:
         self.num_steps = 0
         self.step_records: list[StepRecord] | None = None
         """Set to a list to have every step that ran appended to it (batch, tokens, wall time)."""
+        self._arrived: list[Arrival] = []  # taken since the last recorded step (only while recording)
         # draws of requests without their own seed (vLLM's --seed); None leaves them to torch's global generator
         self.generator = None if config.seed is None else torch.Generator(self.device).manual_seed(config.seed)
 
@@ -228,6 +229,8 @@ class LLMEngine:
             sp = dataclasses.replace(sp, max_tokens=max_tokens)
         request = Request(request_id, ids, sp, arrival=self._arrivals, prompt=prompt, arrival_time=time.perf_counter())
         self._arrivals += 1
+        if self.step_records is not None:
+            self._arrived.append(Arrival(request_id, len(ids), sp.max_tokens, request.arrival_time))
         request.generator = self.generator if sp.seed is None else torch.Generator(self.device).manual_seed(sp.seed)
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -291,9 +294,10 @@ class LLMEngine:
         if self.offload_tier is not None and not self.scheduler.has_unfinished():
             self._flush_stores()
         if self.step_records is not None:
+            arrived, self._arrived = self._arrived, []
             self.step_records.append(StepRecord(self.num_steps, batch, len(requests), start,
                                                 time.perf_counter() - start, model_s,
-                                                [r.request_id for r in out.preempted]))
+                                                [r.request_id for r in out.preempted], arrived))
         self.num_steps += 1
         return ended + outputs
 

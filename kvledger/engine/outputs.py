@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 @dataclass
@@ -136,6 +137,16 @@ class KVLedger:
     offload: OffloadLedger | None = None
 
 
+class Arrival(NamedTuple):
+    """A request as the engine took it: its id, prompt tokens, ``max_tokens`` and the
+    ``time.perf_counter()`` seconds of :meth:`LLMEngine.add_request`."""
+
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    time_s: float
+
+
 @dataclass
 class StepRecord:
     """One engine step as it ran: the batch, its tokens and its times (seconds).
@@ -145,8 +156,10 @@ class StepRecord:
     besides themselves). ``preempted`` are the requests the scheduler preempted to make room.
     ``wall_s`` is the whole ``step()`` (scheduling, model, sampling, detokenizing), ``model_s``
     the model run alone; the rest is the CPU overhead of the step. ``start_s`` is
-    ``time.perf_counter()`` when the step began. The simulator emits the same records, with
-    virtual times, so a recorded run and its replay compare step by step.
+    ``time.perf_counter()`` when the step began. ``arrivals`` are the requests the engine took
+    since the step before, as :class:`Arrival` (its ``time_s`` on the same clock as ``start_s``).
+    The simulator emits the same records, with virtual times, so a recorded run and its replay
+    compare step by step.
     """
 
     index: int
@@ -156,6 +169,7 @@ class StepRecord:
     wall_s: float
     model_s: float = 0.0
     preempted: list[str] = field(default_factory=list)
+    arrivals: list[Arrival] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvledger.engine.outputs import StepRecord
+from kvledger.engine.outputs import Arrival, StepRecord
 from kvledger.errors import KVLedgerError
 
 STEP_LOG_KIND = "kvledger-step-log"
@@ -69,7 +69,8 @@ def read_step_log(path: str | Path) -> tuple[dict[str, Any], list[StepRecord]]:
             d = json.loads(line)
             records.append(StepRecord(int(d["index"]), [(str(r), int(c), int(n)) for r, c, n in d["batch"]],
                                       int(d["num_samples"]), float(d["start_s"]), float(d["wall_s"]),
-                                      float(d.get("model_s", 0.0)), [str(r) for r in d.get("preempted", [])]))
+                                      float(d.get("model_s", 0.0)), [str(r) for r in d.get("preempted", [])],
+                                      [Arrival(str(r), int(p), int(m), float(t)) for r, p, m, t in d.get("arrivals", [])]))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             if lineno == len(lines) and isinstance(err, json.JSONDecodeError):
                 break  # a last line cut short (the server was killed while writing it)
