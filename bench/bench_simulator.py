@@ -14,7 +14,9 @@ E2EL (mean, p50, p90, p99), preemptions, peak blocks allocated and the prefix-ca
 the targets missed, and the table with the other rate's profile (out of sample). With
 ``--repeats N`` each rate is served N times, each run against its own profile, so the run-to-run
 spread of the real engine shows beside the simulator's error; every run is also replayed on its
-own recorded step times (the scheduler and pool alone, without the step model).
+own recorded step times (the scheduler and pool alone, without the step model). Each rate ends
+with the restated targets: every simulated preemption count inside the range of the served
+runs' counts, every replay exact, TTFT p50, TPOT mean and E2EL mean within 5%.
 
 ``vllm``: the vLLM peer's ``vllm serve`` (block size 128, its pool from
 ``VLLM_CPU_KVCACHE_SPACE``), a profile fitted from its own measured timings (prefill TTFTs and
@@ -127,34 +129,68 @@ def _table(real: dict, ledger: dict, sim: dict, server: str = "kvledger serve") 
                     tablefmt="github", disable_numparse=True)
 
 
-def _within_targets(real: dict, ledger: dict, sim: dict) -> list[str]:
-    """The Done-when targets this comparison misses (empty: all met)."""
+HEADLINE_LIMITS = (("ttft", "p50", 5), ("tpot", "mean", 5), ("e2el", "mean", 5))
+"""The restated accuracy targets of one run: TTFT p50, TPOT mean and E2EL mean within 5%."""
+OTHER_LIMITS = (("tpot", "p50", 5), ("e2el", "p50", 5), ("ttft", "p90", 10)) + tuple(
+    (m, "p99", 15) for m in ("ttft", "tpot", "itl", "e2el"))
+"""The targets kept from the first round (shown, not part of the restated headline)."""
+
+
+def _within_targets(real: dict, ledger: dict, sim: dict, limits=HEADLINE_LIMITS + OTHER_LIMITS) -> list[str]:
+    """The targets this comparison misses (empty: all met). The preemption count is judged per
+    rate against the range of the served runs (:func:`_rate_summary`), not per run: the engine's own
+    count moves from run to run by more than 5% of itself."""
     missed = []
-    limits = [("tpot", "mean", 5), ("tpot", "p50", 5), ("e2el", "mean", 5), ("e2el", "p50", 5), ("ttft", "p50", 10),
-              ("ttft", "p90", 10)] + [(m, "p99", 15) for m in ("ttft", "tpot", "itl", "e2el")]
     for metric, stat, pct in limits:
         r, s = real["stats_ms"][metric][stat], sim[f"{metric}_ms"][stat]
         if r and abs(s - r) / r * 100 > pct:
             missed.append(f"{metric.upper()} {stat} ({(s - r) / r * 100:+.0f}% vs {pct}%)")
-    for name, r, s in (("preemptions", ledger["num_preemptions"], sim["num_preemptions"]),
-                       ("peak blocks", ledger["blocks_allocated_peak"], sim["peak_blocks_allocated"])):
-        if (r and abs(s - r) / r > 0.05) or (not r and s):
-            missed.append(f"{name} ({s} vs {r})")
+    r, s = ledger["blocks_allocated_peak"], sim["peak_blocks_allocated"]
+    if (r and abs(s - r) / r > 0.05) or (not r and s):
+        missed.append(f"peak blocks ({s} vs {r})")
     return missed
 
 
+def _replay_exact(ledger: dict, rep: dict) -> bool:
+    """The replay on the run's own step times ran as many steps as the run and gave its counts."""
+    return bool(rep.get("same_steps")) and rep["num_preemptions"] == ledger["num_preemptions"] \
+        and rep["peak_blocks_allocated"] == ledger["blocks_allocated_peak"]
+
+
+def _rate_summary(rate: float, runs: list[dict]) -> str:
+    """The restated targets for one rate: each simulated preemption count inside the range the
+    served runs gave, every replay exact, and TTFT p50, TPOT mean and E2EL mean within 5% in
+    every run (each run against the profile fitted from its own steps)."""
+    measured = [run["ledger"]["num_preemptions"] for run in runs]
+    simulated = [run["sim"]["num_preemptions"] for run in runs]
+    lo, hi = min(measured), max(measured)
+    inside = sum(lo <= s <= hi for s in simulated)
+    exact = sum(_replay_exact(run["ledger"], run["replay"]) for run in runs)
+    headline = [_within_targets(run["real"], run["ledger"], run["sim"], HEADLINE_LIMITS) for run in runs]
+    met = sum(not m for m in headline)
+    means = {f"{m.upper()} {s}": [(run["sim"][f"{m}_ms"][s] - run["real"]["stats_ms"][m][s])
+                                  / run["real"]["stats_ms"][m][s] * 100 for run in runs]
+             for m, s, _ in HEADLINE_LIMITS}
+    spread = "; ".join(f"{k} {min(v):+.1f}% to {max(v):+.1f}%" for k, v in means.items())
+    return (f"At {rate} req/s over {len(runs)} served runs: preemptions measured {lo}-{hi} "
+            f"({', '.join(map(str, measured))}), simulated {', '.join(map(str, simulated))}: {inside} of "
+            f"{len(runs)} inside the measured range. Replay on recorded step times exact in {exact} of "
+            f"{len(runs)}. TTFT p50, TPOT mean and E2EL mean within 5% in {met} of {len(runs)} runs "
+            f"({spread}).")
+
+
 def replay_recorded(log: Path, sim_args: list[str]) -> dict:
-    """``simulate`` with ``sim_args`` (the same requests, arrivals, flags and pool), its clock the
-    served run's own step periods (``wall_s`` plus the busy pause after each step) instead of the
-    step model: what the scheduler and pool alone give on the real run's timing."""
+    """``simulate`` with ``sim_args`` (the same requests, flags and pool) on the served run's own
+    clock (:mod:`kvledger.sim.replay`): its steps' recorded periods instead of the step model, and
+    each request arriving when the engine took it. What the scheduler and pool alone give."""
     import dataclasses
 
     from kvledger.cli.main import build_parser
     from kvledger.config import SimulatorConfig
     from kvledger.engine.step_log import read_step_log
     from kvledger.errors import KVLedgerError
-    from kvledger.sim.calibrate import busy_pauses
     from kvledger.sim.driver import RecordedStepTimes
+    from kvledger.sim.replay import on_recorded_clock, step_periods
     from kvledger.sim.setup import setup_fleet
     from kvledger.sim.simulate import build_requests, simulate
     from kvledger.workload.sampling import sample_requests
@@ -163,20 +199,22 @@ def replay_recorded(log: Path, sim_args: list[str]) -> dict:
     args = build_parser().parse_args(sim_args)
     _, fleet, _ = setup_fleet(SimulatorConfig.of(args))
     _, records = read_step_log(log)
-    periods = [r.wall_s + pause for r, pause in zip(records, busy_pauses(records))]
+    periods = step_periods(records)
     fleet = dataclasses.replace(fleet, timer_factory=lambda: RecordedStepTimes(periods))
     sampled, times = sample_requests(read_trace(args.workload), args.num_prompts, seed=args.seed, sample=args.sample,
                                      length_scale=args.length_scale, request_rate=args.request_rate,
                                      burstiness=args.burstiness, time_scale=args.time_scale,
                                      max_model_len=args.max_model_len)
     try:
-        res = simulate(build_requests(sampled, times, args.length_scale), fleet)
+        requests = on_recorded_clock(build_requests(sampled, times, args.length_scale), records)
+        res = simulate(requests, fleet, record_steps=True)
     except KVLedgerError as err:  # more steps than the run had: the schedules parted
         print(f"replay of {log.name}: {err}", file=sys.stderr)
         return {"num_preemptions": None, "peak_blocks_allocated": None, "same_steps": False}
     rep = res.replicas[0]
+    same = [(r.batch, r.preempted) for r in rep.records] == [(r.batch, r.preempted) for r in records]
     return {"num_preemptions": rep.scheduler.num_preemptions, "peak_blocks_allocated": rep.blocks_allocated_peak,
-            "same_steps": rep.num_steps == len(records)}
+            "same_steps": same}
 
 
 def _runs_table(runs: list[dict]) -> str:
@@ -226,7 +264,8 @@ def accuracy(num_prompts: int, profile: Path, quick: bool, rates: list[float] | 
     bench_flags = dict(trace=str(trace), num_prompts=num_prompts, length_scale=0.25, seed=0, max_model_len=int(max_len))
     tmp = Path(tempfile.mkdtemp(prefix="kvledger-sim-accuracy-"))
     by_rate: list[tuple[str, float, list[dict]]] = []
-    for label, rate in zip(("lower rate", "higher rate"), rates):
+    labels = ("lower rate", "higher rate") if len(rates) == 2 else tuple(f"rate {k + 1}" for k in range(len(rates)))
+    for label, rate in zip(labels, rates):
         runs = []
         for k in range(repeats):
             log, prof = tmp / f"steps-{rate}-{k}.jsonl", tmp / f"profile-{rate}-{k}.json"
@@ -260,6 +299,7 @@ def accuracy(num_prompts: int, profile: Path, quick: bool, rates: list[float] | 
                             f"{_table(real, ledger, cross)}")
         sections.append(f"Every served run at {rate} req/s, each against `simulate` with its own profile, and the "
                         "replay on its own recorded step times:\n\n" + _runs_table(runs))
+        sections.append(_rate_summary(rate, runs))
     return "\n\n".join(sections)
 
 
@@ -404,7 +444,7 @@ def main() -> int:
     p.add_argument("--profile", default=str(Path(tempfile.gettempdir()) / "kvledger-profile-cpu.json"),
                    help="profile to use (calibrated here first if the file is missing)")
     p.add_argument("--quick", action="store_true", help="calibrate with --quick")
-    p.add_argument("--rates", default=None, help="two request rates (req/s, comma-separated) instead of ones "
+    p.add_argument("--rates", default=None, help="request rates (req/s, comma-separated) instead of the two "
                    "from the grid profile")
     p.add_argument("--repeats", type=int, default=1, help="served runs per rate (accuracy; default 1)")
     p.add_argument("--markdown", default=None, help="append the tables to this file")
