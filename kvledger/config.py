@@ -145,6 +145,9 @@ class EngineConfig:
             raise KVLedgerError(f"--kv-offloading-size must be a positive number of GiB, got {self.kv_offloading_size}")
         if self.kv_offloading_path is not None and self.kv_offloading_size is None:
             raise KVLedgerError("--kv-offloading-path needs --kv-offloading-size: the GiB of disk the tier may take")
+        if self.kv_offloading_size is not None and self.tensor_parallel_size > 1:
+            raise KVLedgerError("--kv-offloading-size: the engine's KV offloading tier runs at --tensor-parallel-size 1 "
+                                "only; drop one of the two flags")
         if self.kv_cache_dtype not in ENGINE_KV_CACHE_DTYPES:
             raise KVLedgerError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not one the engine runs; choose one of "
                                 f"{', '.join(ENGINE_KV_CACHE_DTYPES)}")

@@ -181,6 +181,13 @@ def test_an_unknown_model_type_is_read_with_a_warning(tmp_path):
     assert known.returncode == 0 and known.stderr == ""
 
 
+def test_a_kv_offloading_tier_with_tensor_parallelism_is_refused_before_loading():
+    """The engine's second KV tier runs at TP 1 only: said at once, not after the ranks have loaded."""
+    for command in (("generate", "hi"), ("serve",)):
+        assert_one_line_error(quick(*command, "--kv-offloading-size", "1", "--tensor-parallel-size", "2"),
+                              "--kv-offloading-size", "--tensor-parallel-size 1 only")
+
+
 def test_calibrate_checks_its_block_size_and_output_before_measuring(tmp_path):
     assert_one_line_error(quick("calibrate", "--quick", "--block-size", "7"), "--block-size", "7", "16")
     assert_one_line_error(quick("calibrate", "--quick", "--out", "/nonexistent/dir/p.json"), "--out",

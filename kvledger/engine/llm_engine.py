@@ -125,11 +125,9 @@ class LLMEngine:
 
     def _offload_capacity(self, config: EngineConfig) -> OffloadCapacity:
         """The tier's blocks for ``kv_offloading_size`` GiB; refused in one line where the engine
-        cannot keep one (tensor parallelism, a disk tier of an fp8 cache whose per-layer scales
-        are set anew by each process; sliding windows: :func:`tier_capacity`)."""
-        if config.tensor_parallel_size > 1:
-            raise KVLedgerError("--kv-offloading-size: the engine's KV offloading tier runs at "
-                                "--tensor-parallel-size 1 only")
+        cannot keep one (a disk tier of an fp8 cache whose per-layer scales are set anew by each
+        process; sliding windows: :func:`tier_capacity`; tensor parallelism: the configuration,
+        before anything loads)."""
         if config.kv_offloading_path and self.kv_cache_dtype in PER_LAYER_SCALE_DTYPES:
             raise KVLedgerError(f"--kv-offloading-path: a --kv-cache-dtype {self.kv_cache_dtype} cache keeps one scale "
                                 "per layer, set anew by each process, so its blocks cannot outlive it on disk; use "
