@@ -28,8 +28,9 @@ from kvledger.sim.requests import SimRequest
 
 def step_periods(records: Sequence[StepRecord]) -> list[float]:
     """Seconds from each step's start to the next one's (the last: its ``wall_s``)."""
-    return [nxt.start_s - r.start_s for r, nxt in zip(records, records[1:])] + [records[-1].wall_s] \
-        if records else []
+    if not records:
+        return []
+    return [nxt.start_s - r.start_s for r, nxt in zip(records, records[1:])] + [records[-1].wall_s]
 
 
 def recorded_arrivals(records: Sequence[StepRecord]) -> list[Arrival]:
