@@ -9,8 +9,9 @@ with a fixed seed) at two rates (``--rates``, else half and 1.5 x the service ra
 profile from ``kvledger calibrate`` predicts). Each rate: a fresh ``kvledger serve --step-log``
 run under ``kvledger bench serve``, a profile fitted from that run's own steps (``kvledger
 calibrate --step-log``), and ``kvledger simulate --profile`` with the same requests, arrivals,
-engine flags and pool; prints the Diff% table (simulated vs measured) of TTFT, TPOT, ITL and
-E2EL (mean, p50, p90, p99), preemptions, peak blocks allocated and the prefix-cache hit rate,
+engine flags and pool, and the run's ingress (client send to server receipt: the client's send
+times against the step log's receipt times) as ``--ingress-ms``; prints the Diff% table
+(simulated vs measured) of TTFT, TPOT, ITL and E2EL (mean, p50, p90, p99), preemptions, peak blocks allocated and the prefix-cache hit rate,
 the targets missed, and the table with the other rate's profile (out of sample). With
 ``--repeats N`` each rate is served N times, each run against its own profile, so the run-to-run
 spread of the real engine shows beside the simulator's error; every run is also replayed on its
@@ -92,22 +93,46 @@ def _diff(sim: float, real: float) -> str:
     return f"{(sim - real) / real * 100:+.1f}"
 
 
-def serve_and_bench(serve_flags: list[str], bench_flags: dict, rate: float) -> tuple[dict, dict]:
-    """A fresh ``kvledger serve`` (so its counters are this run's), one ``bench serve`` run, its ledger;
-    ``serve_flags`` may carry ``--step-log FILE`` (the run's own step records)."""
+def serve_and_bench(serve_flags: list[str], bench_flags: dict, rate: float) -> tuple[dict, dict, list]:
+    """A fresh ``kvledger serve`` (so its counters are this run's), one ``bench serve`` run, its ledger
+    and what the client saw of each request; ``serve_flags`` may carry ``--step-log FILE`` (the
+    run's own step records)."""
     import httpx
 
-    from kvledger.loadgen.serve import BenchConfig, run_benchmark
+    from kvledger.loadgen.serve import BenchConfig, send_workload
+    from kvledger.metrics.serving import calculate_metrics
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with serving([str(BIN / "kvledger"), "serve", "--port", str(port), *serve_flags], url):
         cfg = BenchConfig(base_url=url, request_rate=rate, ignore_eos=True, **bench_flags)
-        metrics, _ = asyncio.run(run_benchmark(cfg))
+        results, duration, _ = asyncio.run(send_workload(cfg))
         ledger = httpx.get(url + "/dashboard/ledger.json", timeout=30).json()["latest"]
+    metrics = calculate_metrics(results, duration, list(cfg.percentiles))
     if metrics.failed:
         raise RuntimeError(f"{metrics.failed} requests failed: {metrics.errors[:1]}")
-    return metrics.__dict__, ledger
+    return metrics.__dict__, ledger, results
+
+
+def measured_ingress_ms(results: list, log: Path) -> float:
+    """Mean milliseconds from the client's send of a request to the server's receipt of it: each
+    client result (its ``start_time``) paired with the step log's arrival of the same shape
+    (prompt tokens, ``max_tokens``) in the same order (its ``received_s``); both are the host's
+    ``perf_counter``."""
+    from collections import defaultdict
+
+    from kvledger.engine.step_log import read_step_log
+
+    _, records = read_step_log(log)
+    sent, received = defaultdict(list), defaultdict(list)
+    for r in results:
+        sent[(r.prompt_len, r.expected_output_len)].append(r.start_time)
+    for a in (a for rec in records for a in rec.arrivals):
+        received[(a.prompt_tokens, a.max_tokens)].append(a.received_s)
+    if sorted(map(len, sent.values())) != sorted(map(len, received.values())) or set(sent) != set(received):
+        raise RuntimeError(f"{log.name}: the server's arrivals are not the requests the client sent")
+    gaps = [r - s for shape in sent for s, r in zip(sorted(sent[shape]), sorted(received[shape]))]
+    return sum(gaps) / len(gaps) * 1e3
 
 
 def _table(real: dict, ledger: dict, sim: dict, server: str = "kvledger serve") -> str:
@@ -171,12 +196,14 @@ def _rate_summary(rate: float, runs: list[dict]) -> str:
     means = {f"{m.upper()} {s}": [(run["sim"][f"{m}_ms"][s] - run["real"]["stats_ms"][m][s])
                                   / run["real"]["stats_ms"][m][s] * 100 for run in runs]
              for m, s, _ in HEADLINE_LIMITS}
-    spread = "; ".join(f"{k} {min(v):+.1f}% to {max(v):+.1f}%" for k, v in means.items())
+    spread = "; ".join(f"{k} {min(v):+.1f}% to {max(v):+.1f}% (mean {sum(v) / len(v):+.1f}%)"
+                       for k, v in means.items())
+    ingress = [run["ingress"] for run in runs]
     return (f"At {rate} req/s over {len(runs)} served runs: preemptions measured {lo}-{hi} "
             f"({', '.join(map(str, measured))}), simulated {', '.join(map(str, simulated))}: {inside} of "
             f"{len(runs)} inside the measured range. Replay on recorded step times exact in {exact} of "
             f"{len(runs)}. TTFT p50, TPOT mean and E2EL mean within 5% in {met} of {len(runs)} runs "
-            f"({spread}).")
+            f"({spread}). Ingress measured {min(ingress):.2f}-{max(ingress):.2f} ms.")
 
 
 def replay_recorded(log: Path, sim_args: list[str]) -> dict:
@@ -218,21 +245,26 @@ def replay_recorded(log: Path, sim_args: list[str]) -> dict:
 
 
 def _runs_table(runs: list[dict]) -> str:
-    """One row per served run of a rate: the headline diffs, and the discrete counts measured,
-    simulated with the run's profile, and replayed on the run's own step times."""
+    """One row per served run of a rate: the ingress measured (client send to server receipt), the
+    headline diffs, TTFT p50's diff without the ingress (what the server alone accounts for), and
+    the discrete counts measured, simulated with the run's profile, and replayed on the run's own
+    step times."""
     rows = []
     for k, run in enumerate(runs, 1):
         real, ledger, sim, rep = run["real"], run["ledger"], run["sim"], run["replay"]
         parted = "" if rep.get("same_steps") else " (replay parted from the run)"
         diffs = [_diff(sim[f"{m}_ms"][s], real["stats_ms"][m][s])
                  for m, s in (("tpot", "mean"), ("tpot", "p50"), ("e2el", "mean"), ("ttft", "p50"), ("ttft", "p99"))]
-        rows.append([k, f"{run['load']:.1f}", f"{real['stats_ms']['tpot']['mean']:.1f}", *diffs,
+        server_only = _diff(sim["ttft_ms"]["p50"] - run["ingress"], real["stats_ms"]["ttft"]["p50"])
+        rows.append([k, f"{run['load']:.1f}", f"{real['stats_ms']['tpot']['mean']:.1f}", f"{run['ingress']:.2f}",
+                     *diffs, server_only,
                      f"{ledger['num_preemptions']} / {sim['num_preemptions']} / {rep['num_preemptions']}",
                      f"{ledger['blocks_allocated_peak']} / {sim['peak_blocks_allocated']} / {rep['peak_blocks_allocated']}"
                      + parted,
                      ", ".join(run["missed"]) or "none"])
-    head = ["run", "load", "TPOT mean (ms), measured", "TPOT mean Diff %", "TPOT p50 Diff %", "E2EL mean Diff %",
-            "TTFT p50 Diff %", "TTFT p99 Diff %", "preemptions: measured / simulated / replayed",
+    head = ["run", "load", "TPOT mean (ms), measured", "ingress (ms), measured", "TPOT mean Diff %",
+            "TPOT p50 Diff %", "E2EL mean Diff %", "TTFT p50 Diff %", "TTFT p99 Diff %",
+            "TTFT p50 Diff %, ingress 0", "preemptions: measured / simulated / replayed",
             "peak blocks: measured / simulated / replayed", "targets missed"]
     return tabulate(rows, headers=head, tablefmt="github", disable_numparse=True)
 
@@ -270,17 +302,19 @@ def accuracy(num_prompts: int, profile: Path, quick: bool, rates: list[float] | 
         for k in range(repeats):
             log, prof = tmp / f"steps-{rate}-{k}.jsonl", tmp / f"profile-{rate}-{k}.json"
             t0 = time.perf_counter()
-            real, ledger = serve_and_bench([*engine_flags, "--step-log", str(log)], bench_flags, rate)
+            real, ledger, results = serve_and_bench([*engine_flags, "--step-log", str(log)], bench_flags, rate)
             load = os.getloadavg()[0]
+            ingress = measured_ingress_ms(results, log)
             proc = subprocess.run([str(BIN / "kvledger"), "calibrate", "--step-log", str(log), "--out", str(prof)],
                                   capture_output=True, text=True)
             if proc.returncode:
                 raise RuntimeError(proc.stderr.strip())
-            print(f"{label}, run {k + 1}: real run {time.perf_counter() - t0:.0f} s, load average {load:.1f}\n"
-                  f"{proc.stdout}", file=sys.stderr)
-            args = [*sim_common, "--profile", str(prof), "--request-rate", str(rate)]
+            print(f"{label}, run {k + 1}: real run {time.perf_counter() - t0:.0f} s, load average {load:.1f}, "
+                  f"ingress {ingress:.2f} ms\n{proc.stdout}", file=sys.stderr)
+            args = [*sim_common, "--profile", str(prof), "--request-rate", str(rate), "--ingress-ms", f"{ingress:.3f}"]
             sim = kvledger_json(*args)
             runs.append(dict(real=real, ledger=ledger, prof=prof, load=load, fit_text=proc.stdout, sim=sim,
+                             ingress=ingress,
                              replay=replay_recorded(log, args), missed=_within_targets(real, ledger, sim)))
         by_rate.append((label, rate, runs))
     for i, (label, rate, runs) in enumerate(by_rate):
@@ -290,11 +324,13 @@ def accuracy(num_prompts: int, profile: Path, quick: bool, rates: list[float] | 
         missed = first["missed"]
         sections.append(f"**{label}**: {rate} req/s (load average {first['load']:.1f} at the end of the served run); "
                         f"profile fitted from this run's {fit_text.split(' steps', 1)[0].rsplit(' ', 1)[-1]} steps "
-                        f"({fit_line}); simulator says saturated = {sim['saturated']}\n\n{_table(real, ledger, sim)}"
+                        f"({fit_line}); ingress measured {first['ingress']:.2f} ms (`--ingress-ms`); simulator says "
+                        f"saturated = {sim['saturated']}\n\n{_table(real, ledger, sim)}"
                         f"\n\nTargets missed: {', '.join(missed) if missed else 'none'}.")
         other = by_rate[1 - i] if len(by_rate) == 2 else None
         if other is not None:
-            cross = kvledger_json(*sim_common, "--profile", str(other[2][0]["prof"]), "--request-rate", str(rate))
+            cross = kvledger_json(*sim_common, "--profile", str(other[2][0]["prof"]), "--request-rate", str(rate),
+                                  "--ingress-ms", f"{first['ingress']:.3f}")
             sections.append(f"Same run, the profile of the {other[0]} run (out of sample):\n\n"
                             f"{_table(real, ledger, cross)}")
         sections.append(f"Every served run at {rate} req/s, each against `simulate` with its own profile, and the "

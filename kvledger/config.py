@@ -240,6 +240,9 @@ class SimulatorConfig:
     """What the tier stores when: ``evict`` (a block when the pool evicts it: the tiers hold different
     blocks) or ``compute`` (vLLM's: a prompt's full blocks as they are computed, so the tier repeats
     what the pool holds). ``evict`` found more hits at every size on Mooncake (README)."""
+    ingress_ms: float = 0.0
+    """Milliseconds from a client's send to the server's receipt of each request (network, proxies,
+    the HTTP front end); added to every TTFT and E2EL."""
 
     @classmethod
     def of(cls, settings: Any) -> "SimulatorConfig":

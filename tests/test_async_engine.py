@@ -119,3 +119,30 @@ def test_every_step_runs_on_the_engine_thread():
 
     asyncio.run(scenario())
     assert step_threads == {loader}
+
+
+def test_a_request_counts_from_when_the_server_received_it():
+    """``arrival_time`` (the handler's receipt) reaches the engine: the step log keeps it beside the
+    moment the engine took the request, and the request's stream counts its latencies from it."""
+    import time
+
+    engine = LLMEngine(EngineConfig(model="smollm2-135m", dtype="float32", kv_cache_memory="32MiB",
+                                    max_model_len=256))
+    records = engine.step_records = []
+    received = time.perf_counter() - 0.25  # as if reading and tokenizing the request took 250 ms
+
+    async def scenario() -> None:
+        async with running(engine) as aengine:
+            stream = await aengine.add("r", list(range(100, 140)), SamplingParams(max_tokens=2, temperature=0),
+                                       arrival_time=received)
+            assert stream.arrival == received
+            deltas = [d async for d in stream]
+            assert deltas[-1].finished
+            assert stream.first_token - stream.arrival >= 0.25
+            later = await aengine.add("s", list(range(200, 210)), SamplingParams(max_tokens=1, temperature=0))
+            assert [d.finished for d in [d async for d in later]][-1]
+
+    asyncio.run(scenario())
+    (first,), (second,) = [r.arrivals for r in records if r.arrivals]
+    assert first.request_id == "r" and first.received_s == received and first.time_s >= received + 0.25
+    assert second.request_id == "s" and second.received_s <= second.time_s < second.received_s + 1.0

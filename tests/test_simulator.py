@@ -275,6 +275,46 @@ def test_replay_takes_requests_that_came_while_the_engine_was_idle_or_mid_run_as
     engine.shutdown()
 
 
+def test_a_step_log_keeps_when_the_server_received_each_request(tmp_path):
+    """An arrival's ``received_s`` survives the file; a log written before it existed (four
+    fields an arrival) still reads, its receipt unknown."""
+    import json
+
+    from kvledger.engine.outputs import Arrival, StepRecord
+    from kvledger.engine.step_log import StepLog, read_step_log
+
+    log = StepLog(tmp_path / "steps.jsonl", {"model": "m"})
+    log.append(StepRecord(0, [("a", 0, 8)], 1, start_s=5.0, wall_s=0.1,
+                          arrivals=[Arrival("a", 8, 3, 4.99, received_s=4.97)]))
+    log.close()
+    old = StepRecord(1, [("a", 8, 1), ("b", 0, 4)], 2, start_s=5.1, wall_s=0.1)
+    line = {**json.loads(json.dumps(old.__dict__)), "arrivals": [["b", 4, 2, 5.05]]}
+    with open(tmp_path / "steps.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+    _, records = read_step_log(tmp_path / "steps.jsonl")
+    assert records[0].arrivals == [Arrival("a", 8, 3, 4.99, 4.97)]
+    assert records[1].arrivals == [Arrival("b", 4, 2, 5.05, None)]
+
+
+@needs_traces
+def test_ingress_adds_to_every_ttft_and_e2el_and_changes_nothing_else():
+    """A constant delay between the client and the server moves the run, not what happens in it:
+    TTFT and E2EL gain exactly the ingress, every statistic of them; TPOT, ITL, the steps and the
+    throughput stay as they were."""
+    run = ("llama-3.1-8b", "--gpu", "h100-80gb", "--workload", str(AZURE_CONV), "--num-prompts", "200",
+           "--request-rate", "40")
+    base, late = sim_json(*run), sim_json(*run, "--ingress-ms", "37.5")
+    assert (base["ingress_ms"], late["ingress_ms"]) == (0.0, 37.5)
+    for metric in ("ttft_ms", "e2el_ms"):
+        for stat in ("mean", "median", "p50", "p90", "p99"):
+            assert late[metric][stat] == pytest.approx(base[metric][stat] + 37.5), (metric, stat)
+        assert late[metric]["std"] == pytest.approx(base[metric]["std"])
+    assert late["tpot_ms"] == pytest.approx(base["tpot_ms"], rel=1e-12)  # (E2EL - TTFT) / tokens: both moved
+    for key in ("itl_ms", "num_steps", "num_preemptions", "peak_blocks_allocated", "duration_s",
+                "request_throughput"):
+        assert late[key] == base[key], key
+
+
 def test_calibrate_refuses_what_is_not_a_step_log(tmp_path):
     garbage = tmp_path / "steps.jsonl"
     garbage.write_text('{"index": 0}\n')
@@ -460,7 +500,7 @@ def _bad_traces(tmp_path):
 
 @pytest.mark.parametrize("case", ["router", "gpu", "slo-form", "slo-duration", "slo-metric", "empty", "malformed",
                                   "rate-0", "rate-nan", "rate-inf", "rate--inf",
-                                  "profile-garbage"])
+                                  "profile-garbage", "ingress-negative", "ingress-nan"])
 @needs_traces
 def test_bad_input_is_one_line_exit_2(tmp_path, case):
     empty, broken = _bad_traces(tmp_path)
@@ -481,6 +521,8 @@ def test_bad_input_is_one_line_exit_2(tmp_path, case):
         "rate--inf": (base + ["--request-rate=-inf"], ("--request-rate", "positive finite")),
         "profile-garbage": (["llama-3.1-8b", "--profile", str(garbage), "--workload", str(AZURE_CONV)],
                             ("not a step profile",)),
+        "ingress-negative": (base + ["--ingress-ms=-1"], ("--ingress-ms", "zero or more")),
+        "ingress-nan": (base + ["--ingress-ms", "nan"], ("--ingress-ms", "finite")),
     }[case]
     assert_one_line_error(kvledger("simulate", *argv), *needles)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvledger.cli.common import (length_scale, positive_float, positive_int, seed, simulated_request_rate, size,
-                                 time_scale)
+from kvledger.cli.common import (length_scale, non_negative_float, positive_float, positive_int, seed,
+                                 simulated_request_rate, size, time_scale)
 from kvledger.cli.flags import (add_block_size, add_gpu_memory_utilization, add_kv_cache_dtype,
                                 add_kv_offloading_bandwidth, add_kv_offloading_size, add_max_num_batched_tokens,
                                 add_max_num_seqs, add_tensor_parallel_size)
@@ -48,6 +48,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"identical replicas behind the router (default {SIMULATOR.replicas})")
     p.add_argument("--router", default=SIMULATOR.router, metavar="NAME",
                    help=f"{', '.join(ROUTERS)} (default {SIMULATOR.router})")
+    p.add_argument("--ingress-ms", type=non_negative_float, default=SIMULATOR.ingress_ms, metavar="MS",
+                   help="milliseconds from a client's send to the server's receipt of a request (network, proxies, "
+                        "HTTP front end), added to every TTFT and E2EL (default 0: latencies from the server's "
+                        "receipt)")
     p.add_argument("--slo", default=None, metavar="SPEC",
                    help="targets, e.g. ttft_p99=2s,tpot_p99=100ms[,goodput=99%%] (ttft/tpot/itl/e2el, pNN or mean)")
     p.add_argument("--find-replicas", action="store_true",

@@ -210,9 +210,11 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
-                    prompt: str | None = None) -> None:
+                    prompt: str | None = None, arrival_time: float | None = None) -> None:
         """Queue a request; raise KVLedgerError now if it is malformed or could never fit (a token id
-        outside the vocabulary, in the prompt or in ``stop_token_ids``, is a :class:`ParameterError`)."""
+        outside the vocabulary, in the prompt or in ``stop_token_ids``, is a :class:`ParameterError`).
+        ``arrival_time``: when the request reached the caller (``time.perf_counter()`` seconds, as in
+        vLLM: a server passes the moment it received it); now, if not given."""
         sp = sampling_params or SamplingParams()
         if request_id in self.requests:
             raise KVLedgerError(f"request id {request_id!r} is already in the engine")
@@ -225,10 +227,12 @@ class LLMEngine:
         check_request_length(len(ids), max_tokens, self.max_model_len)
         if sp.max_tokens is None:
             sp = dataclasses.replace(sp, max_tokens=max_tokens)
-        request = Request(request_id, ids, sp, arrival=self._arrivals, prompt=prompt, arrival_time=time.perf_counter())
+        taken = time.perf_counter()
+        received = taken if arrival_time is None else float(arrival_time)
+        request = Request(request_id, ids, sp, arrival=self._arrivals, prompt=prompt, arrival_time=received)
         self._arrivals += 1
         if self.step_records is not None:
-            self._arrived.append(Arrival(request_id, len(ids), sp.max_tokens, request.arrival_time))
+            self._arrived.append(Arrival(request_id, len(ids), sp.max_tokens, taken, received))
         request.generator = self.generator if sp.seed is None else torch.Generator(self.device).manual_seed(sp.seed)
         self.requests[request_id] = request
         self.scheduler.add(request)

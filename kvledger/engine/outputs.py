@@ -138,13 +138,17 @@ class KVLedger:
 
 
 class Arrival(NamedTuple):
-    """A request as the engine took it: its id, prompt tokens, ``max_tokens`` and the
-    ``time.perf_counter()`` seconds of :meth:`LLMEngine.add_request`."""
+    """A request as the engine took it: its id, prompt tokens, ``max_tokens``, the
+    ``time.perf_counter()`` seconds of :meth:`LLMEngine.add_request` (``time_s``) and of its
+    ``arrival_time`` (``received_s``: when the server received the request; ``time_s`` when the
+    caller gave none). The difference is the server's hand-over: reading and tokenizing the
+    request, then waiting for the step boundary."""
 
     request_id: str
     prompt_tokens: int
     max_tokens: int
     time_s: float
+    received_s: float | None = None
 
 
 @dataclass

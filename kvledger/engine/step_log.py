@@ -45,6 +45,13 @@ class StepLog:
         self._file.close()
 
 
+def _arrival(fields: list) -> Arrival:
+    """An :class:`Arrival` from its JSON list (a log written before ``received_s`` has four fields)."""
+    rid, prompt, max_tokens, taken, *received = fields
+    return Arrival(str(rid), int(prompt), int(max_tokens), float(taken),
+                   float(received[0]) if received and received[0] is not None else None)
+
+
 def read_step_log(path: str | Path) -> tuple[dict[str, Any], list[StepRecord]]:
     """(header, records) of a step log; a one-line :class:`KVLedgerError` if it is not one."""
     p = Path(path)
@@ -70,7 +77,7 @@ def read_step_log(path: str | Path) -> tuple[dict[str, Any], list[StepRecord]]:
             records.append(StepRecord(int(d["index"]), [(str(r), int(c), int(n)) for r, c, n in d["batch"]],
                                       int(d["num_samples"]), float(d["start_s"]), float(d["wall_s"]),
                                       float(d.get("model_s", 0.0)), [str(r) for r in d.get("preempted", [])],
-                                      [Arrival(str(r), int(p), int(m), float(t)) for r, p, m, t in d.get("arrivals", [])]))
+                                      [_arrival(a) for a in d.get("arrivals", [])]))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             if lineno == len(lines) and isinstance(err, json.JSONDecodeError):
                 break  # a last line cut short (the server was killed while writing it)

@@ -18,6 +18,7 @@ count of the text (vLLM's fallback), else one token per chunk.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -67,8 +68,7 @@ async def send_request(client: Any, url: str, model: str, prompt: list[int] | st
     result = RequestResult(prompt_len, max_tokens)
     payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                "stream_options": {"include_usage": True}, **extra_body}
-    st = time.perf_counter()
-    result.start_time = time.time()
+    st = result.start_time = time.perf_counter()
     last = st
     try:
         async with client.stream("POST", url, json=payload, headers=headers) as resp:
@@ -137,6 +137,14 @@ class BenchConfig:
     timeout_s: float = 600.0
 
 
+@functools.cache
+def load_tokenizer(name: str) -> Any:
+    """A transformers tokenizer (a directory or a name), loaded once per process."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name)
+
+
 async def served_models(client: Any, base_url: str, headers: dict[str, str]) -> list[str]:
     """The model ids ``GET /v1/models`` lists (a one-line error when the server cannot say)."""
     import httpx
@@ -153,9 +161,10 @@ async def served_models(client: Any, base_url: str, headers: dict[str, str]) -> 
     return [str(m.get("id")) for m in data]
 
 
-async def run_benchmark(cfg: BenchConfig, progress: bool = False) -> tuple[ServingMetrics, dict[str, Any]]:
-    """Replay the workload; returns the metrics and a description of the run. ``progress``: a bar
-    on stderr over the requests finished, shown once the run lasts a while."""
+async def send_workload(cfg: BenchConfig, progress: bool = False) -> tuple[list[RequestResult], float, dict[str, Any]]:
+    """Replay the workload: what the client saw of each request (in the workload's order), the
+    run's seconds, and a description of the run. ``progress``: a bar on stderr over the requests
+    finished, shown once the run lasts a while."""
     import httpx
 
     trace = read_trace(cfg.trace)
@@ -163,11 +172,7 @@ async def run_benchmark(cfg: BenchConfig, progress: bool = False) -> tuple[Servi
                                       length_scale=cfg.length_scale, request_rate=cfg.request_rate,
                                       burstiness=cfg.burstiness, time_scale=cfg.time_scale,
                                       max_model_len=cfg.max_model_len)
-    tokenizer = None
-    if cfg.tokenizer:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
+    tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
     vocab = min(cfg.vocab_size, len(tokenizer)) if tokenizer is not None else cfg.vocab_size
     id_seed = cfg.seed if cfg.id_seed is None else cfg.id_seed
     prompts: list[Any] = make_prompts(requests, seed=id_seed, vocab_size=vocab, token_id_low=cfg.token_id_low,
@@ -210,7 +215,6 @@ async def run_benchmark(cfg: BenchConfig, progress: bool = False) -> tuple[Servi
         finally:
             bar.close()
         duration = time.perf_counter() - t0
-    metrics = calculate_metrics(list(results), duration, list(cfg.percentiles), tokenizer)
     info = {"model": model, "trace": Path(cfg.trace).name, "format": trace.format, "num_prompts": len(requests),
             "length_scale": cfg.length_scale, "request_rate": cfg.request_rate, "burstiness": cfg.burstiness,
             "max_concurrency": cfg.max_concurrency, "seed": cfg.seed, "id_seed": id_seed, "ignore_eos": cfg.ignore_eos,
@@ -218,7 +222,14 @@ async def run_benchmark(cfg: BenchConfig, progress: bool = False) -> tuple[Servi
             "mean_input_len": float(np.mean([r.input_len for r in requests])),
             "mean_output_len": float(np.mean([r.output_len for r in requests])),
             "expected_output_tokens": sum(r.output_len for r in requests)}
-    return metrics, info
+    return list(results), duration, info
+
+
+async def run_benchmark(cfg: BenchConfig, progress: bool = False) -> tuple[ServingMetrics, dict[str, Any]]:
+    """Replay the workload (:func:`send_workload`); returns the metrics and a description of the run."""
+    results, duration, info = await send_workload(cfg, progress)
+    tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
+    return calculate_metrics(results, duration, list(cfg.percentiles), tokenizer), info
 
 
 # --- reports ---------------------------------------------------------------------------------------

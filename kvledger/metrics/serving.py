@@ -25,8 +25,9 @@ from kvledger.errors import KVLedgerError
 class RequestResult:
     """What a client saw of one request (or what the simulator predicts it sees); times in seconds.
 
-    ``ttft`` and ``latency`` (E2EL) count from the request's send time; ``itl`` holds the gaps
-    between successive output chunks."""
+    ``ttft`` and ``latency`` (E2EL) count from the request's send time, ``start_time`` (the
+    client's ``time.perf_counter()``, as vLLM's benchmark client records it; the simulator's
+    virtual seconds); ``itl`` holds the gaps between successive output chunks."""
 
     prompt_len: int
     expected_output_len: int

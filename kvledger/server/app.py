@@ -23,6 +23,7 @@ import functools
 import hmac
 import json
 import logging
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib import resources
@@ -178,9 +179,10 @@ class Serving:
         except KVLedgerError as err:
             raise APIError(400, str(err), param=getattr(err, "param", None)) from None
 
-    async def submit(self, request_id: str, ids: list[int], params: Any) -> RequestStream:
+    async def submit(self, request_id: str, ids: list[int], params: Any, received: float) -> RequestStream:
+        """Hand the request to the engine; ``received``: when its handler began (perf_counter s)."""
         try:
-            return await self.aengine.add(request_id, ids, params)
+            return await self.aengine.add(request_id, ids, params, arrival_time=received)
         except KVLedgerError as err:
             raise APIError(400, str(err), param=getattr(err, "param", None)) from None
         except QueueFullError as err:
@@ -365,6 +367,7 @@ def create_app(aengine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        received = time.perf_counter()
         serving.check_auth(request)
         req: CompletionRequest = parse_request(CompletionRequest, await serving.read_body(request))
         model = serving.check_model(req.model)
@@ -376,7 +379,7 @@ def create_app(aengine: AsyncEngine, config: ServerConfig) -> FastAPI:
         serving.check_length(len(ids), max_tokens)
         params = serving.sampling_params(req, max_tokens)
         rid = new_id("cmpl")
-        stream = await serving.submit(rid, ids, params)
+        stream = await serving.submit(rid, ids, params, received)
         created = now()
 
         if req.stream:
@@ -398,6 +401,7 @@ def create_app(aengine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        received = time.perf_counter()
         serving.check_auth(request)
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await serving.read_body(request))
         model = serving.check_model(req.model)
@@ -412,7 +416,7 @@ def create_app(aengine: AsyncEngine, config: ServerConfig) -> FastAPI:
         serving.check_length(len(ids), max_tokens, what="messages")
         params = serving.sampling_params(req, max_tokens)
         rid = new_id("chatcmpl")
-        stream = await serving.submit(rid, ids, params)
+        stream = await serving.submit(rid, ids, params, received)
         created = now()
 
         if req.stream:

@@ -174,8 +174,11 @@ class AsyncEngine:
         """Requests in the server: in the engine (running or waiting) or not yet handed over."""
         return len(self._streams) + len(self._pending_adds)
 
-    async def add(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any) -> RequestStream:
+    async def add(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
+                  arrival_time: float | None = None) -> RequestStream:
         """Queue a request for the next step; returns its stream once the engine accepted it.
+        ``arrival_time``: when the server received it (``time.perf_counter()`` seconds; now if not
+        given), the start of its TTFT and E2E latency and the engine's ``arrival_time``.
 
         Raises :class:`QueueFullError` when ``max_num_seqs + max_waiting`` requests are already in
         the server (a full batch and a full queue behind it), :class:`RequestFailedError` (503)
@@ -191,7 +194,8 @@ class AsyncEngine:
             raise QueueFullError(f"{in_flight - self.max_running} requests are already waiting behind "
                                  f"{self.max_running} running (--max-num-seqs {self.max_running}, "
                                  f"--max-waiting-requests {self.max_waiting}); retry later")
-        stream = RequestStream(request_id, len(prompt_token_ids), time.perf_counter())
+        stream = RequestStream(request_id, len(prompt_token_ids),
+                               time.perf_counter() if arrival_time is None else arrival_time)
         done = asyncio.get_running_loop().create_future()
         self._pending_adds.append(_PendingAdd(stream, prompt_token_ids, sampling_params, done))
         self._wake.set()
@@ -275,7 +279,7 @@ class AsyncEngine:
                 p.done.cancel()
             return
         try:
-            self.engine.add_request(rid, p.prompt_token_ids, p.sampling_params)
+            self.engine.add_request(rid, p.prompt_token_ids, p.sampling_params, arrival_time=p.stream.arrival)
         except KVLedgerError as err:
             p.done.set_exception(err)
             return

@@ -65,6 +65,10 @@ class Fleet:
     """A hybrid model's state blocks and attention groups per request (``kvledger.sim.hybrid``)."""
     offload: OffloadTier | None = None
     """Each replica's KV offloading tier (``kvledger.sim.offload``), or None."""
+    ingress_s: float = 0.0
+    """Seconds from a client's send to the server's receipt of a request, the same for every
+    request. A constant delay moves the whole run later and changes nothing in it, so it is not
+    simulated: :func:`result_of` adds it to each TTFT and E2EL."""
 
 
 @dataclass
@@ -141,7 +145,7 @@ def simulate(requests: list[SimRequest], fleet: Fleet, *, progress: bool | None 
     t0 = time.perf_counter()
     end = run(requests, replicas, router, progress)
     wall = time.perf_counter() - t0
-    results = [result_of(r) for r in requests]
+    results = [result_of(r, fleet.ingress_s) for r in requests]
     metrics = calculate_metrics(results, max(end, 1e-9), list(PERCENTILES))
     out = SimResult(requests, replicas, metrics, results, end, wall)
     if slo is not None:
@@ -149,11 +153,12 @@ def simulate(requests: list[SimRequest], fleet: Fleet, *, progress: bool | None 
     return out
 
 
-def result_of(r: SimRequest) -> RequestResult:
-    """What ``kvledger bench serve`` would have seen of the request (one chunk per token)."""
+def result_of(r: SimRequest, ingress_s: float = 0.0) -> RequestResult:
+    """What ``kvledger bench serve`` would have seen of the request (one chunk per token), sent
+    ``ingress_s`` seconds before the server received it at its ``arrival_time``."""
     times = r.token_times
     itl = np.diff(times).tolist() if len(times) > 1 else []
-    start = r.arrival_time
+    start = r.arrival_time - ingress_s
     return RequestResult(prompt_len=r.prompt_len, expected_output_len=r.output_len, success=True,
                          ttft=times[0] - start, latency=times[-1] - start, itl=itl,
                          output_tokens=r.num_output, start_time=start)
@@ -216,7 +221,7 @@ def summary(res: SimResult, fleet: Fleet) -> dict[str, Any]:
         prefix_cache_hit_rate=hits / queries if queries else 0.0,
         prefix_cache_hits=hits, prefix_cache_queries=queries,
         peak_blocks_allocated=max(rep.blocks_allocated_peak for rep in res.replicas),
-        num_blocks=fleet.num_blocks, block_size=fleet.config.block_size,
+        num_blocks=fleet.num_blocks, block_size=fleet.config.block_size, ingress_ms=fleet.ingress_s * 1e3,
         replicas=fleet.replicas, router=fleet.router, tensor_parallel_size=fleet.tensor_parallel_size,
         gpus=fleet.replicas * fleet.tensor_parallel_size,
         num_steps=sum(rep.num_steps for rep in res.replicas),
