@@ -583,3 +583,82 @@ def test_one_tier_size_reports_it_and_the_sweep_plot_is_drawn(tmp_path):
 def test_bad_tier_input_is_one_line_exit_2(extra, needles):
     assert_one_line_error(kvledger("simulate", "llama-3.1-8b", "--gpu", "h100-80gb", "--workload", str(AZURE_CONV),
                                    "--num-prompts", "5", *extra), *needles)
+
+
+# ---- what receiving a request costs a step ----------------------------------------------------------
+def test_a_request_that_arrives_mid_step_lengthens_that_step_and_one_that_wakes_the_engine_its_first():
+    """A timer of 1 s steps and 0.25 s per request received: ``a`` wakes the idle engine at 0 (its
+    step takes 1.25 s), ``b`` arrives at 0.5 inside that step (which now ends at 1.5), ``c`` wakes it
+    again at 10. Without the arrival cost (a replay's timer) the same run keeps 1 s steps."""
+    class Timer:
+        def __init__(self, arrival_seconds: float) -> None:
+            self.arrival_seconds = arrival_seconds
+
+        def step_seconds(self, batch, num_samples) -> float:
+            return 1.0
+
+    config = EngineConfig(model="smollm2-135m", block_size=16, num_gpu_blocks_override=64,
+                          max_num_batched_tokens=256, max_num_seqs=8, max_model_len=256)
+
+    def run(arrival_seconds: float):
+        reqs = [make_request(0, 32, 3, 0.0), make_request(1, 16, 2, 0.5), make_request(2, 16, 1, 10.0)]
+        fleet = Fleet(config, 64, lambda: Timer(arrival_seconds), replicas=1, router="round-robin")
+        res = simulate(reqs, fleet, record_steps=True)
+        steps = [(r.start_s, r.wall_s) for r in res.replicas[0].records]
+        return [r.token_times for r in reqs], steps, res.replicas[0].busy_s
+
+    tokens, steps, busy = run(0.25)
+    assert tokens == [[1.5, 2.5, 3.5], [2.5, 3.5], [11.25]]
+    assert steps == [(0.0, 1.5), (1.5, 1.0), (2.5, 1.0), (10.0, 1.25)]
+    assert busy == 4.75
+    tokens, steps, _ = run(0.0)
+    assert tokens == [[1.0, 2.0, 3.0], [2.0, 3.0], [11.0]]
+    assert steps == [(0.0, 1.0), (1.0, 1.0), (2.0, 1.0), (10.0, 1.0)]
+
+
+def test_arrivals_count_on_the_step_they_came_in_or_on_the_step_they_woke():
+    """Receipts inside a step, inside the busy pause after it, while the engine idled, and none."""
+    from kvledger.engine.outputs import Arrival, StepRecord
+    from kvledger.sim.calibrate import arrivals_received, busy_pauses
+
+    steps = [StepRecord(0, [("x", 0, 8)], 1, start_s=0.0, wall_s=0.1, arrivals=[Arrival("x", 8, 3, 0.0, 0.0)]),
+             StepRecord(1, [("x", 8, 1), ("y", 0, 4)], 2, start_s=0.1, wall_s=0.08,
+                        arrivals=[Arrival("y", 4, 2, 0.099, 0.05)]),
+             StepRecord(2, [("x", 9, 1), ("z", 0, 4)], 2, start_s=0.2, wall_s=0.05,  # 20 ms busy pause before it
+                        arrivals=[Arrival("z", 4, 1, 0.195, 0.19)]),
+             StepRecord(3, [("w", 0, 4), ("v", 0, 2)], 2, start_s=2.0, wall_s=0.2,  # after an idle wait
+                        arrivals=[Arrival("w", 4, 1, 1.99, 1.0), Arrival("v", 2, 1, 1.99, None)])]
+    assert busy_pauses(steps) == pytest.approx([0.0, 0.02, 0.0, 0.0])
+    assert arrivals_received(steps, busy_pauses(steps)) == [2, 1, 0, 1]
+
+
+def test_a_serving_fit_prices_an_arrival_in_the_model_run_and_around_it():
+    """Steps made from known coefficients, a request received during one in ten: the step-log fit
+    gives the arrival's cost as the sum of what it adds to the model run and to the CPU work."""
+    import random
+
+    from kvledger.engine.outputs import Arrival, StepRecord
+    from kvledger.sim.calibrate import fit_step_log
+    from kvledger.sim.step_model import ModelGeometry, batch_terms
+    from kvledger.spec import load_model_spec
+
+    geo = ModelGeometry.of(load_model_spec("smollm2-135m"))
+    rng = random.Random(0)
+    records, received_at, start = [], [], 0.0
+    for k in range(400):
+        batch = [(f"r{k}-{j}", rng.randrange(16, 900), 1) for j in range(rng.randrange(1, 9))]
+        if k % 7 == 0:
+            batch.append((f"p{k}", 0, rng.randrange(16, 600)))
+        received = k % 10 == 3
+        terms = batch_terms(geo, [(c, n) for _, c, n in batch], len(batch))
+        model_s = 0.010 + 4e-4 * terms[2] + 1e-3 * terms[8] + 0.004 * received
+        wall_s = model_s + 0.001 + 1e-4 * len(batch) + 0.0005 * received
+        records.append(StepRecord(k, batch, len(batch), start_s=start, wall_s=wall_s, model_s=model_s))
+        received_at.append(start + wall_s / 2 if received else None)
+        start += wall_s
+    for k, t in enumerate(received_at[:-1]):  # received during step k, taken before step k + 1
+        if t is not None:
+            records[k + 1].arrivals.append(Arrival(f"a{k}", 4, 1, records[k + 1].start_s, t))
+    coef, _ = fit_step_log(records, geo)
+    assert coef["arrivals"] == pytest.approx(0.0045, rel=1e-3)
+    assert coef["cpu_step"] == pytest.approx(0.001, rel=1e-3) and coef["step"] == pytest.approx(0.010, rel=1e-3)

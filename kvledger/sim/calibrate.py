@@ -16,6 +16,7 @@ The module does not import torch: it drives any engine object with ``add_request
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import random
 from dataclasses import dataclass
@@ -128,8 +129,9 @@ def _fit(rows: list[list[float]], model_s: list[float], cpu_s: list[float], gpu_
 
         raise KVLedgerError("calibration measured no steps; give the engine a longer --max-model-len")
     coef = {t: 0.0 for t in TERMS}
-    coef.update(fit_coefficients(rows, model_s, gpu_terms, relative))
-    coef.update(fit_coefficients(rows, [max(s, 1e-7) for s in cpu_s], CPU_TERMS, relative))
+    for seconds, terms in ((model_s, gpu_terms), ([max(s, 1e-7) for s in cpu_s], CPU_TERMS)):
+        for t, v in fit_coefficients(rows, seconds, terms, relative).items():
+            coef[t] += v  # a term of both parts (arrivals) costs in both: the step's time is their sum
     return coef
 
 
@@ -173,6 +175,23 @@ def busy_pauses(records: list[StepRecord]) -> list[float]:
     return pauses
 
 
+def arrivals_received(records: list[StepRecord], pauses: list[float]) -> list[int]:
+    """Per step of a serving run: how many requests the server received during its period (from
+    its start to the end of its busy pause, :func:`busy_pauses`). A request received while the
+    engine was idle counts on the step that took it, which started because of it. Arrivals
+    without a receipt time (a log written before the server recorded it) count nowhere."""
+    starts = [r.start_s for r in records]
+    counts = [0] * len(records)
+    for j, taker in enumerate(records):
+        for a in taker.arrivals:
+            if a.received_s is None:
+                continue
+            k = bisect.bisect_right(starts, a.received_s) - 1
+            busy = k >= 0 and a.received_s < starts[k] + records[k].wall_s + pauses[k]
+            counts[k if busy else j] += 1
+    return counts
+
+
 def fit_step_log(records: list[StepRecord], geometry: ModelGeometry, gpu_terms=GPU_FIT_TERMS
                  ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Coefficients from a serving run's own steps (``kvledger serve --step-log``), and the fit's
@@ -185,19 +204,22 @@ def fit_step_log(records: list[StepRecord], geometry: ModelGeometry, gpu_terms=G
     ``wall_s - model_s`` alone. The error minimised is absolute, not relative: a serving run's
     steps are what they are (a grid has one of each shape), and with the constant terms the
     fitted steps then add up to the measured time, which sets the latencies. The report's last
-    row compares those sums."""
+    row compares those sums. The requests the server received during a step
+    (:func:`arrivals_received`) are a term of both fits: receiving one takes the shared cores
+    from the model run and from the CPU work around it."""
     rows, model_s, cpu_s, period_s, kinds = [], [], [], [], []
-    for r, gap in zip(records, busy_pauses(records)):
+    pauses = busy_pauses(records)
+    for r, gap, received in zip(records, pauses, arrivals_received(records, pauses)):
         if not r.batch:
             continue
-        rows.append(batch_terms(geometry, [(c, n) for _, c, n in r.batch], r.num_samples))
+        rows.append(batch_terms(geometry, [(c, n) for _, c, n in r.batch], r.num_samples, received))
         model_s.append(r.model_s)
         cpu_s.append(r.wall_s - r.model_s + gap)
         period_s.append(r.wall_s + gap)
         prefill = any(n > 1 for _, _, n in r.batch)
         size = 1 << (len(r.batch) - 1).bit_length()  # batch sizes by powers of two
         kinds.append(("prefill" if prefill else "decode", size))
-    coef = _fit(rows, model_s, cpu_s, gpu_terms, relative=False)
+    coef = _fit(rows, model_s, cpu_s, (*gpu_terms, "arrivals"), relative=False)
     report = []
     for kind, size in sorted(set(kinds)):
         idx = [j for j, k in enumerate(kinds) if k == (kind, size)]

@@ -7,7 +7,9 @@ A replica is what ``LLMEngine`` is without the model: a :class:`BlockPool`, a
 scheduler's ``update()`` advances every scheduled request, each request whose step computed its
 last known token gets a token (at the step's end time), and a request with all its output
 tokens is finished with ``finish(..., "length")``, its blocks back in the pool at once, exactly
-as ``LLMEngine.step`` does with ``ignore_eos``.
+as ``LLMEngine.step`` does with ``ignore_eos``. A request that arrives while a step runs
+lengthens it by the timer's ``arrival_seconds`` (the server's cost of receiving it; 0 when the
+timer has none, as a replay of recorded times, whose steps already hold it).
 
 Events are processed in time order: arrivals first when they coincide with a step's end (the
 engine adds what has arrived before it schedules), all arrivals of one instant before any idle
@@ -38,6 +40,11 @@ class StepTimer(Protocol):
     """Anything that prices a batch: ``(num_computed_tokens, num_new_tokens)`` per request."""
 
     def step_seconds(self, batch: Sequence[tuple[int, int]], num_samples: int) -> float: ...
+
+
+def arrival_seconds(timer: StepTimer) -> float:
+    """Seconds a step gains per request received during it: the timer's ``arrival_seconds``, or 0."""
+    return float(getattr(timer, "arrival_seconds", 0.0))
 
 
 class RecordedStepTimes:
@@ -90,6 +97,8 @@ class Replica:
         self.offload_traffic = OffloadTraffic()
         self.scheduler = Scheduler(config, self.kv)
         self.timer = timer
+        self.arrival_s = arrival_seconds(timer)
+        self._arrived_idle = 0  # requests added while idle: the step they start is theirs to lengthen
         self.num_steps = 0
         self.blocks_allocated_peak = 0
         self.busy_s = 0.0
@@ -112,8 +121,19 @@ class Replica:
         return self._out is not None
 
     def add(self, request: SimRequest) -> None:
+        """Queue ``request``; its arrival lengthens the running step, or the next one if idle."""
         request.replica = self.index
         self.scheduler.add(request)
+        if not self.arrival_s:
+            return
+        if self._out is None:
+            self._arrived_idle += 1
+            return
+        self.step_end += self.arrival_s
+        self.busy_s += self.arrival_s
+        if self.records is not None:
+            self.records[-1].wall_s += self.arrival_s
+            self.records[-1].model_s += self.arrival_s
 
     def start_step(self, now: float) -> bool:
         """Schedule a batch at ``now``; False (and idle) when there is nothing to run."""
@@ -132,7 +152,8 @@ class Replica:
             batch.append((r.num_computed_tokens, n))
             if r.num_computed_tokens + n == r.num_tokens:  # ScheduledRequest.samples, inlined
                 samplers.append(r)
-        seconds = self.timer.step_seconds(batch, len(self._samplers))
+        seconds = self.timer.step_seconds(batch, len(self._samplers)) + self._arrived_idle * self.arrival_s
+        self._arrived_idle = 0
         if out.kv_transfers:  # copies between the tiers, before the model run
             copy_s = self.offload.seconds(out.kv_transfers)
             self.offload_traffic.add(out.kv_transfers, copy_s)
@@ -210,6 +231,8 @@ def run(requests: Sequence[SimRequest], replicas: list[Replica], router: Router,
         if heap and heap[0][0] < arrival:
             now, r = heapq.heappop(heap)
             replica = replicas[r]
+            if not replica.busy or now != replica.step_end:
+                continue  # an end that arrivals moved later: the step's entry at its new end stands
             done = replica.finish_step()
             end = now
             if done:
@@ -226,7 +249,10 @@ def run(requests: Sequence[SimRequest], replicas: list[Replica], router: Router,
             i += 1
         for r in dict.fromkeys(touched):
             replica = replicas[r]
-            if not replica.busy and replica.start_step(arrival):
+            if replica.busy:
+                if replica.arrival_s:  # the arrivals lengthened its step: its end moved
+                    heapq.heappush(heap, (replica.step_end, r))
+            elif replica.start_step(arrival):
                 heapq.heappush(heap, (replica.step_end, r))
     bar.close()
     if finished != n:

@@ -17,6 +17,7 @@ term                      value for the batch                                   
 ``requests``              scheduled requests                                           s/request
 ``cpu_step``              1: CPU overhead of a step (schedule, inputs, outputs)        s
 ``cpu_samples``           sampled tokens (sampling, detokenizing, streaming)           s/token
+``arrivals``              requests the server received during the step                 s/request
 ========================  ===========================================================  ==========
 
 ``step = sum(coefficient[t] * term[t])``: a linear model, so it adds compute and memory time
@@ -24,6 +25,15 @@ where a roofline would take the larger of the two; that is the main thing it ass
 what calibration on a real device corrects (the fit chooses the coefficients). The CPU terms
 are their own: on a GPU the CPU work between two model runs is not hidden behind them
 (no asynchronous scheduling is modelled).
+
+``arrivals`` is not known when a step starts: the simulator lengthens a running step by
+its coefficient for every request that arrives during it (and a step that an arrival starts on
+an idle engine, for each request that started it). It is what receiving a request (HTTP,
+parsing, validating, the client's own sending on the same host) takes from a step when the
+server's front end shares the engine's cores, as ``kvledger serve``'s does on a CPU: mostly a
+slower model run (measured on 2 cores: 4.2 ms of model run and 0.4 ms of CPU overhead per
+request received). A fit from a serving run's step log measures it, in both parts; the catalog's
+coefficients leave it at 0 (on a GPU the model run does not share the front end's cores).
 
 Default coefficients (``--gpu``) come from the GPU catalog's peaks and the efficiency factors
 below; a profile written by ``kvledger calibrate`` replaces them with fitted ones.
@@ -42,12 +52,13 @@ from kvledger.errors import KVLedgerError, parse_json
 from kvledger.spec import ModelSpec, count_params, kv_bytes, weights_bytes
 
 TERMS = ("step", "weight_bytes", "prefill_tokens", "prefill_attention", "decode_tokens", "kv_read_bytes",
-         "kv_write_bytes", "allreduce_bytes", "requests", "cpu_step", "cpu_samples")
-"""The step model's terms, in the order of :meth:`StepModel.terms`."""
+         "kv_write_bytes", "allreduce_bytes", "requests", "cpu_step", "cpu_samples", "arrivals")
+"""The step model's terms, in the order of :func:`batch_terms`."""
 GPU_TERMS = TERMS[:9]
 """Terms of the model run (what ``model_s`` of a step record measures)."""
 CPU_TERMS = TERMS[9:]
-"""Terms of the CPU work around it (``wall_s - model_s``)."""
+"""Terms of the CPU work around it (``wall_s - model_s``); a serving run's fit also fits
+``arrivals`` to the model run, and its coefficient is the sum of the two."""
 
 PREFILL_FLOP_EFFICIENCY = 0.5
 """Share of the dense bf16 peak a prefill's matrix multiplies sustain (MFU), as the planner assumes."""
@@ -158,12 +169,14 @@ def batch_sums(batch: Iterable[tuple[int, int]]) -> tuple[int, int, int, int, in
     return requests, tokens, context, decode, prefill, attention
 
 
-def batch_terms(geometry: ModelGeometry, batch: Iterable[tuple[int, int]], num_samples: int) -> list[float]:
-    """The terms (in :data:`TERMS` order) of a batch of ``(num_computed_tokens, num_new_tokens)``."""
+def batch_terms(geometry: ModelGeometry, batch: Iterable[tuple[int, int]], num_samples: int,
+                num_arrivals: int = 0) -> list[float]:
+    """The terms (in :data:`TERMS` order) of a batch of ``(num_computed_tokens, num_new_tokens)``
+    during which the server received ``num_arrivals`` requests."""
     requests, tokens, context, decode, prefill, attention = batch_sums(batch)
     tb = geometry.token_bytes
     return [1.0, geometry.weight_bytes_read(tokens), prefill, attention, decode, context * tb, tokens * tb,
-            tokens * geometry.allreduce_bytes_per_token, requests, 1.0, num_samples]
+            tokens * geometry.allreduce_bytes_per_token, requests, 1.0, num_samples, num_arrivals]
 
 
 @dataclass
@@ -186,9 +199,12 @@ class StepModel:
         self._fixed = k["step"] + k["cpu_step"]
         self._per_token = (k["kv_write_bytes"] * g.token_bytes + k["allreduce_bytes"] * g.allreduce_bytes_per_token)
         self._dense_weights = None if g.expert_bytes else k["weight_bytes"] * g.weight_bytes
+        self.arrival_seconds = k["arrivals"]
+        """Seconds a step gains per request received during it (the ``arrivals`` term)."""
 
     def step_seconds(self, batch: Iterable[tuple[int, int]], num_samples: int) -> float:
-        """Seconds of one step (model run plus CPU overhead) for the batch: ``sum(coefficient x term)``."""
+        """Seconds of one step (model run plus CPU overhead) for the batch: ``sum(coefficient x term)``,
+        arrivals during it apart (:attr:`arrival_seconds`)."""
         requests, tokens, context, decode, prefill, attention = batch_sums(batch)
         w, pf, att, dec, kvr = self._coef[1:6]
         weights = self._dense_weights
@@ -226,6 +242,7 @@ class StepModel:
             "requests": REQUEST_OVERHEAD_S,
             "cpu_step": CPU_STEP_S,
             "cpu_samples": CPU_SAMPLE_S,
+            "arrivals": 0.0,
         }
         return cls(geo, coefficients, f"catalog:{gpu.name}")
 
