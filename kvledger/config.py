@@ -241,8 +241,9 @@ class SimulatorConfig:
     blocks) or ``compute`` (vLLM's: a prompt's full blocks as they are computed, so the tier repeats
     what the pool holds). ``evict`` found more hits at every size on Mooncake (README)."""
     ingress_ms: float = 0.0
-    """Milliseconds from a client's send to the server's receipt of each request (network, proxies,
-    the HTTP front end); added to every TTFT and E2EL."""
+    """Milliseconds from a client's send to the server's receipt of each request across a network
+    (proxies included); added to every TTFT and E2EL. A client on the server's own host costs the
+    steps instead (a served profile's ``arrivals`` term)."""
 
     @classmethod
     def of(cls, settings: Any) -> "SimulatorConfig":

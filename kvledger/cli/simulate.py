@@ -49,9 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--router", default=SIMULATOR.router, metavar="NAME",
                    help=f"{', '.join(ROUTERS)} (default {SIMULATOR.router})")
     p.add_argument("--ingress-ms", type=non_negative_float, default=SIMULATOR.ingress_ms, metavar="MS",
-                   help="milliseconds from a client's send to the server's receipt of a request (network, proxies, "
-                        "HTTP front end), added to every TTFT and E2EL (default 0: latencies from the server's "
-                        "receipt)")
+                   help="milliseconds from a client's send to the server's receipt of a request across a network "
+                        "(proxies included), added to every TTFT and E2EL (default 0: latencies from the server's "
+                        "receipt; a client on the server's own host is in a served profile's arrivals term)")
     p.add_argument("--slo", default=None, metavar="SPEC",
                    help="targets, e.g. ttft_p99=2s,tpot_p99=100ms[,goodput=99%%] (ttft/tpot/itl/e2el, pNN or mean)")
     p.add_argument("--find-replicas", action="store_true",
