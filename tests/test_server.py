@@ -200,6 +200,36 @@ def test_metrics_equal_engine_ledger_during_a_run_and_when_idle(server):
     assert delta["kvledger:inter_token_latency_seconds_count"] >= len(prompts) * 63  # one per step after the first
 
 
+def test_the_step_log_keeps_when_the_server_received_each_request(server, client):
+    """Both generation endpoints hand the engine the moment their handler began, before the body
+    was read: a completion whose body ends 0.3 s after it began was received at least 0.3 s
+    before the engine took it; each arrival lies within the client's call."""
+    import json
+
+    body = json.dumps({"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0}).encode()
+
+    def slow_body():  # the first half at once, the rest 0.3 s later
+        yield body[:20]
+        time.sleep(0.3)
+        yield body[20:]
+
+    records: list = []
+    server.run(server.aengine.call(lambda e: setattr(e, "step_records", records)))
+    try:
+        before = time.perf_counter()
+        resp = httpx.post(server.url + "/v1/completions", content=slow_body(), timeout=60,
+                          headers={"Content-Type": "application/json"})
+        assert resp.status_code == 200, resp.text
+        client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=2, temperature=0)
+        after = time.perf_counter()
+    finally:
+        server.run(server.aengine.call(lambda e: setattr(e, "step_records", None)))
+    slow, chat = [a for r in records for a in r.arrivals]
+    assert slow.time_s - slow.received_s >= 0.3
+    for a in (slow, chat):
+        assert before < a.received_s < a.time_s < after, a
+
+
 def test_metrics_need_no_api_key_and_name_vllm_metrics(server):
     resp = httpx.get(server.url + "/metrics")
     assert resp.status_code == 200

@@ -4,8 +4,6 @@ engine settings, the router. ``kvledger simulate`` and ``bench/bench_simulator.p
 
 from __future__ import annotations
 
-import math
-
 from kvledger.config import EngineConfig, PlannerConfig, SimulatorConfig
 from kvledger.errors import KVLedgerError
 from kvledger.metrics.serving import SLO, parse_slo
@@ -74,8 +72,6 @@ def setup_fleet(config: SimulatorConfig, *, slo: str | None = None, find_replica
                           enable_prefix_caching=config.enable_prefix_caching, num_gpu_blocks_override=num_blocks,
                           max_model_len=config.max_model_len)
     offload = offload_tier(spec, config, kv_dtype, block_size, gpu, kv_offloading_size) if kv_offloading_size else None
-    if not (config.ingress_ms >= 0 and math.isfinite(config.ingress_ms)):
-        raise KVLedgerError(f"--ingress-ms must be a finite number of milliseconds, 0 or more, not {config.ingress_ms}")
     fleet = Fleet(engine, num_blocks, lambda: model, config.replicas, config.router, tp, hybrid=hybrid,
                   offload=offload, ingress_s=config.ingress_ms / 1e3)
     return spec, fleet, targets
